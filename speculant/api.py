@@ -1,0 +1,207 @@
+"""The public API: ``speculant.load(...)`` -> Generator, and ``speculant.generate(hf_model, ...)``."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from .drafters import Drafter, ModelDrafter, make_drafter, validate_drafter_spec
+from .engine import Engine, Request, Row
+from .errors import SpeculantError
+from .models.loading import LoadedModel, load_model
+from .sampling import SamplingParams
+
+DEFAULT_GAMMA = {"none": 0, "ngram": 5, "model": 4}
+DEFAULT_DRAFTER = "ngram"  # for the default target, until a trained drafter ships
+
+
+@dataclass
+class Output:
+    text: str
+    token_ids: list[int]  # new tokens only
+    prompt_token_ids: list[int]  # exactly what the target saw
+    finish_reason: str | None
+    stats: dict
+
+
+def check_gamma(gamma) -> int:
+    if not isinstance(gamma, int) or isinstance(gamma, bool) or gamma <= 0:
+        raise SpeculantError(f"gamma (draft tokens per pass) must be an integer >= 1, got {gamma!r}")
+    return gamma
+
+
+def _stop_checker(tokenizer, stop: Sequence[str] | None) -> Callable | None:
+    """Cut a row at the first stop string: returns how many tokens to keep (the one completing it included)."""
+    if not stop:
+        return None
+    stops = [s for s in stop if s]
+
+    def check(tokens: list[int]):
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        if not any(s in text for s in stops):
+            return None
+        for k in range(1, len(tokens) + 1):  # the shortest prefix that contains a stop string
+            if any(s in tokenizer.decode(tokens[:k], skip_special_tokens=True) for s in stops):
+                return k
+        return len(tokens)
+
+    return check
+
+
+def _cut_at_stop(text: str, stop: Sequence[str] | None) -> str:
+    if not stop:
+        return text
+    cuts = [text.find(s) for s in stop if s and s in text]
+    return text[: min(cuts)] if cuts else text
+
+
+class Generator:
+    """A target model with a drafter, ready to generate."""
+
+    def __init__(self, target: LoadedModel, drafter: Drafter, gamma: int | None = None):
+        self.target = target
+        self.drafter = drafter
+        kind = drafter.name if drafter.name in DEFAULT_GAMMA else "model"
+        self.gamma = check_gamma(gamma) if gamma is not None else max(1, DEFAULT_GAMMA[kind])
+        self.engine = Engine(target.model, drafter, target.eos_token_ids, target.context_length)
+
+    @property
+    def tokenizer(self):
+        return self.target.tokenizer
+
+    def encode(self, prompt: str, chat_template: bool = True) -> list[int]:
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise SpeculantError("the prompt is empty: give some text to continue")
+        tok = self.tokenizer
+        if chat_template and getattr(tok, "chat_template", None):
+            ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        else:
+            ids = tok(prompt, add_special_tokens=True)["input_ids"]
+        return list(ids)
+
+    def _request(self, prompt_ids, max_new_tokens, gamma, seed, stop, sampling) -> Request:
+        params = SamplingParams(**sampling)
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise SpeculantError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        limit = self.target.context_length
+        for ids in prompt_ids:
+            if not ids:
+                raise SpeculantError("the prompt is empty: give some text to continue")
+            if len(ids) >= limit:
+                raise SpeculantError(
+                    f"the prompt is {len(ids)} tokens but the model's context is {limit} tokens: shorten the prompt"
+                )
+        g = self.gamma if gamma is None else check_gamma(gamma)
+        if self.drafter.name == "none":
+            g = 0
+        return Request(prompt_ids, params, max_new_tokens, g, seed, _stop_checker(self.tokenizer, stop))
+
+    def stream_ids(self, prompt_ids: list[list[int]], max_new_tokens=128, gamma=None, seed=None, stop=None, **sampling):
+        """Yields (row, new token ids) as accepted; the generator's return value is the list of Rows."""
+        req = self._request(prompt_ids, max_new_tokens, gamma, seed, stop, sampling)
+        return self.engine.run(req)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    def _outputs(self, rows: list[Row], stop) -> list[Output]:
+        outs = []
+        for r in rows:
+            text = _cut_at_stop(self.decode(r.tokens), stop)
+            outs.append(Output(text, r.tokens, r.prompt, r.finish_reason, r.stats.to_dict()))
+        return outs
+
+    def generate_ids(self, prompt_ids: list[list[int]], max_new_tokens=128, gamma=None, seed=None, stop=None, **sampling):
+        it = self.stream_ids(prompt_ids, max_new_tokens, gamma, seed, stop, **sampling)
+        while True:
+            try:
+                next(it)
+            except StopIteration as done:
+                return self._outputs(done.value, stop)
+
+    def generate(
+        self,
+        prompt: str | list[str],
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        gamma: int | None = None,
+        seed: int | None = None,
+        stop: Sequence[str] | None = None,
+        chat_template: bool = True,
+        **sampling,
+    ) -> Output | list[Output]:
+        """Generate for one prompt (-> Output) or a list of prompts (-> list of Output, batched)."""
+        single = isinstance(prompt, str)
+        prompts = [prompt] if single else list(prompt)
+        if not prompts:
+            raise SpeculantError("no prompts given")
+        ids = [self.encode(p, chat_template) for p in prompts]
+        outs = self.generate_ids(ids, max_new_tokens, gamma, seed, stop, temperature=temperature, **sampling)
+        return outs[0] if single else outs
+
+    def stream(self, prompt: str, max_new_tokens=128, temperature=0.0, gamma=None, seed=None, stop=None,
+               chat_template=True, **sampling) -> Iterator[str]:
+        """Yields text pieces as tokens are accepted (one prompt). ``.last`` holds the final Output."""
+        ids = self.encode(prompt, chat_template)
+        it = self.stream_ids([ids], max_new_tokens, gamma, seed, stop, temperature=temperature, **sampling)
+        tokens, shown = [], ""
+        while True:
+            try:
+                _, new = next(it)
+            except StopIteration as done:
+                self.last = self._outputs(done.value, stop)[0]
+                rest = self.last.text[len(shown):] if self.last.text.startswith(shown) else ""
+                if rest:
+                    yield rest
+                return
+            tokens.extend(new)
+            text = _cut_at_stop(self.decode(tokens), stop)
+            if text.endswith("\ufffd"):  # half a multi-byte character: wait for the rest
+                continue
+            if text.startswith(shown) and len(text) > len(shown):
+                yield text[len(shown):]
+                shown = text
+
+
+def load(target: str = "default", drafter: str | Drafter | None = None, gamma: int | None = None,
+         device: str | None = None, dtype: str | None = None) -> Generator:
+    """Load a target ("default" | model folder | .gguf) and a drafter ("none" | "ngram" | "model:PATH")."""
+    if gamma is not None:
+        check_gamma(gamma)
+    validate_drafter_spec(drafter or DEFAULT_DRAFTER)  # bad input fails before any model work
+    tgt = load_model(target, device=device, dtype=dtype)
+    d = make_drafter(drafter or DEFAULT_DRAFTER, tgt)
+    return Generator(tgt, d, gamma)
+
+
+def generate(model: torch.nn.Module, input_ids, drafter: str | Drafter | torch.nn.Module = "ngram",
+             gamma: int | None = None, max_new_tokens: int = 128, seed: int | None = None,
+             tokenizer=None, **sampling):
+    """Speculative generation for a transformers model already in memory.
+
+    input_ids: a list of ids, a 1-D tensor, a list of lists or a 2-D tensor (rows without padding).
+    drafter: "none" | "ngram" | a transformers draft model sharing the tokenizer | a Drafter.
+    Returns an Output (one sequence) or a list of Output; ``text`` is empty unless a tokenizer is given.
+    """
+    if isinstance(input_ids, torch.Tensor):
+        single = input_ids.dim() == 1
+        rows = [input_ids.tolist()] if single else input_ids.tolist()
+    else:
+        single = bool(input_ids) and not isinstance(input_ids[0], (list, tuple))
+        rows = [list(input_ids)] if single else [list(r) for r in input_ids]
+    target = LoadedModel(model=model.eval(), tokenizer=tokenizer, name=type(model).__name__)
+    if isinstance(drafter, torch.nn.Module):
+        d_vocab, t_vocab = drafter.config.vocab_size, model.config.vocab_size
+        if d_vocab != t_vocab:
+            raise SpeculantError(
+                f"drafter vocabulary ({d_vocab} tokens) differs from the target's ({t_vocab} tokens): "
+                "use a draft model with the target's tokenizer"
+            )
+        drafter = ModelDrafter(drafter.eval(), label=type(drafter).__name__)
+    elif isinstance(drafter, str) and drafter.startswith("model:"):
+        raise SpeculantError("speculant.generate takes a loaded draft model object, not 'model:PATH'")
+    gen = Generator(target, make_drafter(drafter, target), gamma)
+    outs = gen.generate_ids(rows, max_new_tokens, None, seed, None, **sampling)
+    return outs[0] if single else outs

@@ -1,0 +1,137 @@
+"""Command line: ``speculant generate PROMPT ...`` (and ``speculant bench``).
+
+Bad input exits with code 2 and one line on stderr, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import SpeculantError
+
+
+def _gamma_arg(value: str):
+    try:
+        g = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"gamma must be an integer >= 1, got {value!r}") from None
+    return g
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .drafters import DRAFTER_HELP
+
+    parser = argparse.ArgumentParser(prog="speculant", description="Lossless speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one prompt", description="Generate text for PROMPT.")
+    g.add_argument("prompt")
+    g.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct), a model folder, or a .gguf file")
+    g.add_argument("--drafter", default=None, help=f"{DRAFTER_HELP}; default: ngram")
+    g.add_argument("--gamma", type=_gamma_arg, default=None, help="draft tokens per target pass (default: per drafter)")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    add_sampling_args(g)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
+    g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32 on CPU, bfloat16 on GPU)")
+    g.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+
+    try:
+        from .bench.cli import add_bench_parser
+    except ImportError:
+        pass
+    else:
+        add_bench_parser(sub)
+    return parser
+
+
+def _stats_line(stats: dict) -> str:
+    return (
+        f"[{stats['drafter']} γ={stats['gamma']}] α={stats['acceptance_rate']:.2f} "
+        f"τ={stats['mean_accepted_tokens']:.2f} tokens/target pass, "
+        f"{stats['new_tokens']} tokens at {stats['tokens_per_second']:.1f} tok/s"
+    )
+
+
+def cmd_generate(args) -> int:
+    from .api import load
+    from .sampling import SamplingParams
+
+    sampling = dict(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+    )
+    SamplingParams(**sampling)  # bad values fail before any model work
+    if args.gamma is not None and args.gamma <= 0:
+        raise SpeculantError(f"--gamma must be an integer >= 1, got {args.gamma}")
+    if args.max_new_tokens < 1:
+        raise SpeculantError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not args.prompt.strip():
+        raise SpeculantError("the prompt is empty: give some text to continue")
+    gen = load(args.target, drafter=args.drafter, gamma=args.gamma, device=args.device, dtype=args.dtype)
+    chat = not args.no_chat_template
+    kwargs = dict(max_new_tokens=args.max_new_tokens, seed=args.seed, stop=args.stop, chat_template=chat, **sampling)
+    prompt_ids = gen.encode(args.prompt, chat)
+
+    if args.json:
+        stream = gen.stream(args.prompt, **kwargs)
+        parts = []
+        try:
+            for piece in stream:
+                parts.append(piece)
+        except KeyboardInterrupt:
+            print(json.dumps({"text": "".join(parts), "prompt_token_ids": prompt_ids, "interrupted": True}))
+            return 130
+        out = gen.last
+        print(json.dumps({
+            "text": out.text,
+            "prompt_token_ids": out.prompt_token_ids,
+            "token_ids": out.token_ids,
+            "finish_reason": out.finish_reason,
+            "stats": out.stats,
+        }))
+        return 0
+
+    try:
+        for piece in gen.stream(args.prompt, **kwargs):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        print("speculant: interrupted; the text above is what was generated", file=sys.stderr)
+        return 130
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    print(_stats_line(gen.last.stats), file=sys.stderr)
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        return args.func(args)
+    except SpeculantError as e:
+        print(f"speculant: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("speculant: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""The drafter interface: the engine talks to every drafter through these four methods only."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from ..sampling import LogitsProcessing
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # [B, γ] draft tokens (padded past each row's length)
+    lengths: torch.Tensor  # [B] real drafts per row (0 = nothing to propose for that row)
+    probs: torch.Tensor | None = None  # [B, γ, V] processed q the drafts were sampled from; None = one-hot
+
+
+@dataclass
+class DraftContext:
+    """What a drafter is given at the start of a generation."""
+
+    prompts: list[list[int]]
+    processing: LogitsProcessing  # the same processing the target's p goes through
+    generator: torch.Generator | None
+    device: torch.device
+    vocab_size: int  # the target's: q must have this width
+
+
+class Drafter(ABC):
+    name: str = "drafter"
+
+    @abstractmethod
+    def start(self, ctx: DraftContext) -> None:
+        """A new batch of prompts begins."""
+
+    @abstractmethod
+    def propose(self, gamma: int) -> Proposal:
+        """Up to γ draft tokens per row continuing the accepted text."""
+
+    @abstractmethod
+    def update(self, new_tokens: list[list[int]], n_accepted: list[int]) -> None:
+        """The target accepted ``n_accepted[b]`` of row b's last drafts; ``new_tokens[b]`` is what
+        row b's text grew by (those drafts plus the target's own token)."""
+
+    @abstractmethod
+    def select(self, rows: list[int]) -> None:
+        """Only these rows go on (the others finished)."""
+
+    def describe(self) -> str:
+        return self.name

@@ -1,0 +1,24 @@
+"""``none``: proposes nothing, so the engine does plain decoding (the baseline, same code path)."""
+from __future__ import annotations
+
+import torch
+
+from .base import DraftContext, Drafter, Proposal
+
+
+class NoDrafter(Drafter):
+    name = "none"
+
+    def start(self, ctx: DraftContext) -> None:
+        self.device = ctx.device
+        self.rows = len(ctx.prompts)
+
+    def propose(self, gamma: int) -> Proposal:
+        empty = torch.zeros(self.rows, 0, dtype=torch.long, device=self.device)
+        return Proposal(empty, torch.zeros(self.rows, dtype=torch.long, device=self.device))
+
+    def update(self, new_tokens, n_accepted) -> None:
+        pass
+
+    def select(self, rows) -> None:
+        self.rows = len(rows)

@@ -1,0 +1,229 @@
+"""The speculate -> verify -> accept loop (one screen), batched over prompts.
+
+Per pass: the drafter proposes up to γ tokens per row; the target scores [last token + drafts]
+in ONE forward pass; ``verify`` keeps the longest acceptable prefix plus one token of the
+target's own; both KV caches roll back to the accepted text. Rows may accept different numbers
+of tokens; finished rows (EOS, stop string, max_new_tokens) leave the batch.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from .drafters.base import DraftContext, Drafter
+from .drafters.model import left_pad, presence_of
+from .models.kv import KVState
+from .sampling import LogitsProcessing, SamplingParams, block_presence
+from .verify import greedy_verify, sample_verify
+
+
+@dataclass
+class Stats:
+    """Counters of one request (one row of a batch)."""
+
+    drafter: str = "none"
+    gamma: int = 0
+    new_tokens: int = 0
+    target_passes: int = 0  # including the prefill pass, which yields the first token
+    drafted: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens accepted
+    drafted_at: list[int] = field(default_factory=list)  # per draft position
+    accepted_at: list[int] = field(default_factory=list)
+    drafter_seconds: float = 0.0
+    target_seconds: float = 0.0
+    seconds: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        """τ: tokens the target produced per forward pass (1.0 for plain decoding)."""
+        return self.new_tokens / self.target_passes if self.target_passes else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def count_pass(self, drafted: int, accepted: int) -> None:
+        self.target_passes += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        for j in range(drafted):
+            if j >= len(self.drafted_at):
+                self.drafted_at.append(0)
+                self.accepted_at.append(0)
+            self.drafted_at[j] += 1
+            self.accepted_at[j] += j < accepted
+
+    def to_dict(self) -> dict:
+        return {
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_accepted_tokens": round(self.mean_accepted_tokens, 4),
+            "target_forward_passes": self.target_passes,
+            "tokens_per_second": round(self.tokens_per_second, 2),
+            "drafter": self.drafter,
+            "gamma": self.gamma,
+            "new_tokens": self.new_tokens,
+            "draft_tokens": self.drafted,
+            "accepted_draft_tokens": self.accepted,
+            "acceptance_by_position": [round(a / d, 4) if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)],
+            "drafter_seconds": round(self.drafter_seconds, 4),
+            "target_seconds": round(self.target_seconds, 4),
+            "seconds": round(self.seconds, 4),
+        }
+
+
+@dataclass
+class Row:
+    """One request's output as it grows."""
+
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    stats: Stats = field(default_factory=Stats)
+
+
+@dataclass
+class Request:
+    prompts: list[list[int]]
+    params: SamplingParams
+    max_new_tokens: int
+    gamma: int
+    seed: int | None = None
+    stop_check: object = None  # callable(row_tokens) -> index to cut at, or None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Engine:
+    def __init__(self, target: torch.nn.Module, drafter: Drafter, eos_token_ids: set[int], context_length: int):
+        self.target = target
+        self.drafter = drafter
+        self.eos = set(eos_token_ids)
+        self.context_length = context_length
+        self.device = next(target.parameters()).device
+        self.vocab_size = int(target.get_output_embeddings().weight.shape[0])
+
+    def run(self, req: Request) -> Iterator[tuple[int, list[int]]]:
+        """Generate; yields (row, new tokens) as tokens are accepted; returns the list of Rows."""
+        dev, params = self.device, req.params
+        proc = LogitsProcessing(params)
+        generator = torch.Generator(device=dev)
+        generator.manual_seed(req.seed if req.seed is not None else int(torch.randint(0, 2**62, (1,))))
+        rows = [Row(list(p), stats=Stats(drafter=self.drafter.describe(), gamma=req.gamma)) for p in req.prompts]
+        active = list(range(len(rows)))  # batch slot -> row index
+        t0 = time.perf_counter()
+
+        # Prefill: the target's first token comes from the prompt alone.
+        state = KVState(self.target, len(rows))
+        self.state, self.slots = state, active  # for inspection (tests of the rollback invariant)
+        tokens, valid = left_pad(req.prompts, dev)
+        seen = presence_of(req.prompts, self.vocab_size, dev) if params.uses_context else None
+        logits = state.append(tokens, valid, last_only=True)[:, -1]
+        pending, _ = proc.pick(logits, seen, generator)
+        _sync(dev)
+        for r in rows:
+            r.stats.target_seconds += time.perf_counter() - t0
+            r.stats.count_pass(0, 0)
+        self.drafter.start(DraftContext(req.prompts, proc, generator, dev, self.vocab_size))
+        new = [[t] for t in pending.tolist()]
+        n_acc = [0] * len(rows)
+
+        while True:
+            active, keep_slots = yield from self._emit(rows, active, new, req)
+            if not active:
+                break
+            self.slots = active
+            if len(keep_slots) < len(new):  # some rows finished: shrink the batch
+                idx = torch.tensor(keep_slots, device=dev)
+                state.select(idx)
+                pending = pending[idx]
+                seen = seen[idx] if seen is not None else None
+                self.drafter.select(keep_slots)
+                new = [new[i] for i in keep_slots]
+                n_acc = [n_acc[i] for i in keep_slots]
+            if seen is not None:
+                for slot, toks in enumerate(new):
+                    seen[slot, torch.tensor(toks, device=dev)] = True
+            self.drafter.update(new, n_acc)
+
+            # γ never drafts past max_new_tokens or the context
+            room = min(
+                min(req.max_new_tokens - len(rows[r].tokens) for r in active),
+                self.context_length - int(state.lengths().max()) - 1,
+            )
+            gamma = max(0, min(req.gamma, room - 1))
+            td = time.perf_counter()
+            prop = self.drafter.propose(gamma) if gamma > 0 else self._empty(len(active))
+            _sync(dev)
+            tt = time.perf_counter()
+            block = torch.cat([pending[:, None], prop.tokens], dim=1)
+            start = state.length
+            logits = state.append(block)
+            presence = block_presence(seen, prop.tokens) if seen is not None else None
+            if params.greedy:
+                n, pending = greedy_verify(proc.scores(logits, presence).argmax(-1), prop.tokens, prop.lengths)
+            else:
+                n, pending = sample_verify(proc.probs(logits, presence), prop.tokens, prop.lengths, prop.probs, generator)
+            state.keep(start, n + 1)
+            _sync(dev)
+            tv = time.perf_counter()
+            n_acc = n.tolist()
+            drafts, lens, nxt = prop.tokens.tolist(), prop.lengths.tolist(), pending.tolist()
+            new = [drafts[s][: n_acc[s]] + [nxt[s]] for s in range(len(active))]
+            for s, r in enumerate(active):
+                st = rows[r].stats
+                st.drafter_seconds += tt - td
+                st.target_seconds += tv - tt
+                st.count_pass(lens[s], n_acc[s])
+        total = time.perf_counter() - t0
+        for r in rows:
+            r.stats.seconds = total
+            r.stats.new_tokens = len(r.tokens)
+        return rows
+
+    def _empty(self, batch: int):
+        from .drafters.base import Proposal
+
+        z = torch.zeros(batch, 0, dtype=torch.long, device=self.device)
+        return Proposal(z, torch.zeros(batch, dtype=torch.long, device=self.device))
+
+    def _emit(self, rows: list[Row], active: list[int], new: list[list[int]], req: Request):
+        """Append each active row's new tokens, ending rows at EOS / stop / max_new_tokens."""
+        still, keep_slots = [], []
+        for slot, r in enumerate(active):
+            row, added = rows[r], []
+            for tok in new[slot]:
+                added.append(tok)
+                if tok in self.eos:
+                    row.finish_reason = "eos"
+                    break
+                if len(row.tokens) + len(added) >= req.max_new_tokens:
+                    row.finish_reason = "length"
+                    break
+                if len(row.prompt) + len(row.tokens) + len(added) >= self.context_length:
+                    row.finish_reason = "context"
+                    break
+            if req.stop_check is not None and not row.finish_reason:
+                cut = req.stop_check(row.tokens + added)
+                if cut is not None:
+                    added = added[: max(0, cut - len(row.tokens))]
+                    row.finish_reason = "stop"
+            row.tokens.extend(added)
+            if added:
+                yield r, added
+            if row.finish_reason:
+                row.finished = True
+            else:
+                still.append(r)
+                keep_slots.append(slot)
+        return still, keep_slots

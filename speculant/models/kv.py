@@ -1,0 +1,97 @@
+"""A batch's KV cache in which rows may accept different numbers of tokens.
+
+Each row owns a set of *valid* cache slots; the attention mask hides the others. Rolling back a
+rejected draft only marks its slots invalid (no copy), then trims the columns no row uses. With
+batch 1 there are never holes: rollback is a plain crop. In a batch, holes left by rows that
+accepted fewer tokens are squeezed out by ``compact`` once they waste too much attention work.
+
+Positions come from each row's count of valid slots, so a row's tokens see exactly the positions
+and the keys/values a fresh prefill of its accepted text would give.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVState:
+    def __init__(self, model: torch.nn.Module, batch_size: int):
+        from transformers import DynamicCache
+
+        self.model = model
+        self.cache = DynamicCache()
+        device = next(model.parameters()).device
+        self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
+
+    @property
+    def length(self) -> int:
+        """Number of cache columns (valid or not)."""
+        return self.valid.shape[1]
+
+    def lengths(self) -> torch.Tensor:
+        """Valid tokens per row: the position the next token of each row will take."""
+        return self.valid.sum(1)
+
+    @torch.no_grad()
+    def append(self, tokens: torch.Tensor, valid: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+        """Run the model on ``tokens`` [B, w] after the cached context; returns logits [B, w or 1, V]."""
+        if valid is None:
+            valid = torch.ones_like(tokens, dtype=torch.bool)
+        positions = self.lengths()[:, None] + (valid.cumsum(1) - 1).clamp_min(0)
+        mask = torch.cat([self.valid, valid], dim=1)
+        kwargs = {"logits_to_keep": 1} if last_only else {}
+        out = self.model(
+            input_ids=tokens,
+            attention_mask=mask.to(torch.long),
+            position_ids=positions,
+            past_key_values=self.cache,
+            use_cache=True,
+            **kwargs,
+        )
+        self.valid = mask
+        return out.logits
+
+    def keep(self, start: int, counts: torch.Tensor) -> None:
+        """Roll back: of the columns from ``start`` on, row b keeps only its first ``counts[b]`` slots."""
+        cols = torch.arange(self.length, device=self.valid.device)[None, :]
+        self.valid = self.valid & (cols < start + counts[:, None].to(self.valid.device))
+        self._trim()
+        self._maybe_compact()
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only the given rows (finished rows leave the batch)."""
+        self.cache.batch_select_indices(rows)
+        self.valid = self.valid[rows]
+        self._trim()
+
+    def _layers(self):
+        return [layer for layer in self.cache.layers if getattr(layer, "keys", None) is not None]
+
+    def _trim(self) -> None:
+        used = self.valid.any(0).nonzero()
+        new_len = int(used[-1]) + 1 if used.numel() else 0
+        if new_len < self.length:
+            self.valid = self.valid[:, :new_len]
+            for layer in self._layers():
+                layer.keys = layer.keys[..., :new_len, :]
+                layer.values = layer.values[..., :new_len, :]
+
+    def _maybe_compact(self) -> None:
+        longest = int(self.lengths().max()) if self.valid.numel() else 0
+        if self.length > longest * 5 // 4 + 32:
+            self.compact()
+
+    def compact(self) -> None:
+        """Right-align every row's valid slots, dropping the holes (one gather per layer)."""
+        longest = int(self.lengths().max())
+        order = torch.sort(self.valid.to(torch.int8), dim=1, stable=True).indices[:, -longest:]
+        self.valid = self.valid.gather(1, order)
+        for layer in self._layers():
+            idx = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+            layer.keys = layer.keys.gather(2, idx.to(layer.keys.device))
+            layer.values = layer.values.gather(2, idx.to(layer.values.device))
+
+    def valid_kv(self, row: int, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of one row's valid slots [H, n, D] (for tests of the rollback invariant)."""
+        lay = self.cache.layers[layer]
+        m = self.valid[row]
+        return lay.keys[row][:, m], lay.values[row][:, m]

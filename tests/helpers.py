@@ -1,0 +1,64 @@
+"""Tiny random-weight models and comparison helpers for the tests (no downloads)."""
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def tiny_llama(seed: int = 0, vocab: int = 96, layers: int = 2, hidden: int = 64, context: int = 512,
+               eos: int | None = None) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=eos, pad_token_id=None,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = eos if eos is not None else 0
+    return model
+
+
+def perturbed(model: LlamaForCausalLM, noise: float, seed: int = 1) -> LlamaForCausalLM:
+    """A copy with noisy weights: a drafter that agrees with the target often, not always."""
+    import copy
+
+    torch.manual_seed(seed)
+    d = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn_like(p) * noise * p.std())
+    return d
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    x = torch.tensor([prompt])
+    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def mismatch_report(model, prompt: list[int], ref: list[int], got: list[int]) -> str:
+    """Where two greedy outputs diverge, and the target's logit gap there (a float near-tie?)."""
+    k = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+    if k >= min(len(ref), len(got)):
+        return f"lengths differ: reference {len(ref)} tokens, ours {len(got)}"
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ref[:k]])).logits[0, -1].float()
+    gap = float(logits[ref[k]] - logits[got[k]])
+    return (f"first divergence at new token {k}: reference {ref[k]}, ours {got[k]}; "
+            f"reference logit gap {gap:.3g} (a near-tie if ~1e-5 or less)")
+
+
+def save_tiny_folder(path, vocab: int = 96, seed: int = 0, context: int = 512):
+    """A model folder like a user's: tiny random Llama + a word-level tokenizer (w0 w1 ...)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<unk>": 0, "</s>": 1} | {f"w{i}": i for i in range(2, vocab)}
+    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>")
+    model = tiny_llama(seed, vocab=vocab, context=context, eos=1)
+    model.save_pretrained(path)
+    fast.save_pretrained(path)
+    return path

@@ -1,0 +1,144 @@
+"""The CLI and the API on model folders: bad input is one clear line and exit code 2, never a traceback."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import speculant
+from speculant.cli import main
+from helpers import hf_greedy, save_tiny_folder
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "target": str(save_tiny_folder(root / "target", seed=0, context=64)),
+        "draft": str(save_tiny_folder(root / "draft", seed=1, context=64)),
+        "other_vocab": str(save_tiny_folder(root / "other", vocab=120, seed=2)),
+        "root": root,
+    }
+
+
+def run_cli(args, capsys):
+    code = main(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+PROMPT = "w5 w6 w7 w5 w6 w7 w5 w6"
+
+
+def test_json_output_from_a_model_folder(folders, capsys):
+    code, out, err = run_cli(["generate", PROMPT, "--target", folders["target"], "--drafter", f"model:{folders['draft']}",
+                              "--gamma", "3", "--max-new-tokens", "12", "--json"], capsys)
+    assert code == 0, err
+    obj = json.loads(out)
+    assert set(obj) >= {"text", "prompt_token_ids", "token_ids", "stats"}
+    assert set(obj["stats"]) >= {"acceptance_rate", "mean_accepted_tokens", "target_forward_passes",
+                                 "tokens_per_second", "drafter", "gamma"}
+    assert obj["stats"]["gamma"] == 3 and obj["stats"]["drafter"].startswith("model:")
+    # the folder has no chat template: the prompt is the raw text's tokens
+    gen = speculant.load(folders["target"], drafter="none")
+    assert obj["prompt_token_ids"] == gen.tokenizer(PROMPT)["input_ids"]
+    ref = hf_greedy(gen.target.model, obj["prompt_token_ids"], 12)
+    assert obj["token_ids"] == ref[: len(obj["token_ids"])] and (len(obj["token_ids"]) == 12 or ref[len(obj["token_ids"]) - 1] == 1)
+
+
+def test_streaming_prints_text_and_a_stats_line(folders, capsys):
+    code, out, err = run_cli(["generate", PROMPT, "--target", folders["target"], "--drafter", "ngram",
+                              "--max-new-tokens", "10"], capsys)
+    assert code == 0
+    assert out.strip() and out.strip().split()[0].startswith("w")
+    assert "α=" in err and "τ=" in err and "tok/s" in err
+
+
+BAD = [
+    (["--target", "/no/such/model"], "does not exist"),
+    (["--gamma", "0"], "gamma"),
+    (["--gamma", "-3"], "gamma"),
+    (["--temperature", "-0.5"], "temperature"),
+    (["--top-p", "0"], "top-p"),
+    (["--top-p", "1.5"], "top-p"),
+    (["--drafter", "bogus"], "unknown drafter"),
+    (["--drafter", "model:/no/such/draft"], "does not exist"),
+]
+
+
+@pytest.mark.parametrize("extra,words", BAD, ids=[" ".join(b[0]) for b in BAD])
+def test_bad_input_is_one_line_and_exit_2(folders, capsys, extra, words):
+    args = ["generate", PROMPT, "--target", folders["target"], *extra]
+    if "--target" in extra:
+        args = ["generate", PROMPT, *extra]
+    code, out, err = run_cli(args, capsys)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("speculant: error:") and words in lines[0], err
+
+
+def test_not_a_model_file(folders, capsys, tmp_path):
+    junk = tmp_path / "notes.txt"
+    junk.write_text("hello")
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"NOPE" * 10)
+    for path in (junk, fake, folders["root"]):
+        code, _, err = run_cli(["generate", PROMPT, "--target", str(path)], capsys)
+        assert code == 2 and "not a" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_drafter_with_another_vocabulary_names_both_sizes(folders, capsys):
+    code, _, err = run_cli(["generate", PROMPT, "--target", folders["target"], "--drafter",
+                            f"model:{folders['other_vocab']}"], capsys)
+    assert code == 2 and "120" in err and "96" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_empty_prompt_and_prompt_longer_than_context(folders, capsys):
+    code, _, err = run_cli(["generate", "   ", "--target", folders["target"]], capsys)
+    assert code == 2 and "empty" in err
+    long_prompt = " ".join(f"w{i % 90 + 2}" for i in range(80))
+    code, _, err = run_cli(["generate", long_prompt, "--target", folders["target"]], capsys)
+    assert code == 2 and "64" in err and "80" in err, err  # says the limit and the length
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_cuda_without_gpu(folders, capsys):
+    code, _, err = run_cli(["generate", PROMPT, "--target", folders["target"], "--device", "cuda"], capsys)
+    assert code == 2 and "no CUDA GPU" in err
+
+
+def test_ctrl_c_while_streaming_keeps_what_was_printed(folders, capsys, monkeypatch):
+    real_stream = speculant.Generator.stream
+
+    def interrupted(self, *a, **k):
+        for i, piece in enumerate(real_stream(self, *a, **k)):
+            if i == 3:
+                raise KeyboardInterrupt
+            yield piece
+
+    monkeypatch.setattr(speculant.Generator, "stream", interrupted)
+    code, out, err = run_cli(["generate", PROMPT, "--target", folders["target"], "--drafter", "none",
+                              "--max-new-tokens", "20"], capsys)
+    assert code == 130
+    assert len(out.split()) == 3  # the three pieces printed before Ctrl-C are still there
+    assert "interrupted" in err and "Traceback" not in err
+
+
+def test_real_entry_point_has_no_traceback(folders):
+    proc = subprocess.run([sys.executable, "-m", "speculant", "generate", PROMPT, "--target", folders["target"],
+                           "--gamma", "0"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_api_batch_and_stop_strings(folders):
+    gen = speculant.load(folders["target"], drafter="ngram", gamma=3)
+    outs = gen.generate([PROMPT, "w9 w10", "w3 w3 w3 w3"], max_new_tokens=12)
+    assert len(outs) == 3
+    for o in outs:
+        ref = hf_greedy(gen.target.model, o.prompt_token_ids, 12)
+        assert o.token_ids == ref[: len(o.token_ids)]
+    first_word = outs[0].text.split()[1]
+    cut = gen.generate(PROMPT, max_new_tokens=12, stop=[first_word])
+    assert cut.finish_reason == "stop" and first_word not in cut.text

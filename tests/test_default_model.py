@@ -1,0 +1,49 @@
+"""Greedy identity on the real default target, SmolLM2-135M-Instruct (token for token vs HF generate)."""
+import pytest
+import torch
+
+import speculant
+from speculant.drafters import ModelDrafter, make_drafter
+from speculant.models.loading import load_model
+from helpers import hf_greedy, mismatch_report
+
+PROMPTS = [
+    "Write a haiku about rivers",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Translate to French: The cat sleeps on the warm windowsill.",
+    "List the planets of the solar system in order from the sun.",
+    "Repeat this sentence three times: the quick brown fox jumps over the lazy dog.",
+    "What is 17 times 23? Explain step by step.",
+]
+MAX_NEW = 32
+
+
+@pytest.fixture(scope="module")
+def refs(default_model):
+    gen = speculant.Generator(default_model, make_drafter("none", default_model))
+    ids = [gen.encode(p) for p in PROMPTS]
+    return ids, [hf_greedy(default_model.model, i, MAX_NEW) for i in ids]
+
+
+def _drafter(kind, target):
+    if kind == "model":  # the same weights in bfloat16: a drafter that agrees often, not always
+        return ModelDrafter(load_model("default", device="cpu", dtype="bfloat16").model, label="default-bf16")
+    return make_drafter(kind, target)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,gamma,batch", [
+    ("none", 1, 1), ("ngram", 1, 1), ("ngram", 3, 1), ("ngram", 8, 1), ("model", 3, 1), ("model", 8, 1),
+    ("ngram", 3, 4), ("model", 4, 4), ("none", 1, 4), ("model", 1, 4), ("ngram", 8, 4),
+])
+def test_default_target_greedy_identical(default_model, refs, kind, gamma, batch):
+    ids, want = refs
+    gen = speculant.Generator(default_model, _drafter(kind, default_model), gamma=gamma)
+    if batch == 1:
+        outs = [o for i in ids for o in gen.generate_ids([i], max_new_tokens=MAX_NEW)]
+    else:  # a batch of 4 mixed-length prompts, then the remaining 2
+        outs = gen.generate_ids(ids[:4], max_new_tokens=MAX_NEW) + gen.generate_ids(ids[4:], max_new_tokens=MAX_NEW)
+    for prompt, ref, out in zip(ids, want, outs):
+        assert out.token_ids == ref, mismatch_report(default_model.model, prompt, ref, out.token_ids)
+    if kind != "none":
+        assert sum(o.stats["accepted_draft_tokens"] for o in outs) > 0

@@ -1,0 +1,133 @@
+"""Invariant 1: greedy output is token-identical to Hugging Face generate(do_sample=False),
+for every drafter, γ and batch size, on tiny random models (several seeds)."""
+import pytest
+import torch
+
+import speculant
+from speculant.drafters import ModelDrafter, NgramDrafter, NoDrafter
+from helpers import hf_greedy, mismatch_report, perturbed, tiny_llama
+
+SEEDS = [0, 1, 2]
+
+
+def _prompts(seed, n=4):
+    g = torch.Generator().manual_seed(100 + seed)
+    out = []
+    for i in range(n):
+        length = 3 + 5 * i
+        base = torch.randint(1, 96, (length,), generator=g).tolist()
+        if i % 2:  # repetitive prompts, so n-gram lookup finds matches
+            base = (base[:4] * 8)[: length + 12]
+        out.append(base)
+    return out
+
+
+def _drafter(kind, target, seed):
+    if kind == "none":
+        return NoDrafter()
+    if kind == "ngram":
+        return NgramDrafter()
+    return ModelDrafter(perturbed(target, 0.3, seed=seed + 7))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("gamma", [1, 3, 8])
+@pytest.mark.parametrize("kind", ["none", "ngram", "model"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_identical_to_hf_generate(kind, gamma, batch, seed):
+    target = tiny_llama(seed)
+    prompts = _prompts(seed)[:batch] if batch > 1 else [_prompts(seed)[1]]
+    max_new = 40
+    refs = [hf_greedy(target, p, max_new) for p in prompts]
+    outs = speculant.generate(target, prompts, drafter=_drafter(kind, target, seed), gamma=gamma, max_new_tokens=max_new)
+    for p, ref, out in zip(prompts, refs, outs):
+        assert out.token_ids == ref, mismatch_report(target, p, ref, out.token_ids)
+    if kind != "none":
+        total = sum(o.stats["accepted_draft_tokens"] for o in outs)
+        assert total > 0, "the drafter never had a token accepted: this case tests nothing"
+
+
+def test_eos_and_mixed_finish_in_a_batch():
+    """Rows hit EOS at different passes; each stops at its own EOS, as HF does."""
+    target = tiny_llama(3)
+    prompts = _prompts(3)
+    refs = [hf_greedy(target, p, 30) for p in prompts]
+    eos = refs[1][5]  # a token row 1 produces early
+    target.generation_config.eos_token_id = eos
+    refs = [hf_greedy(target, p, 30) for p in prompts]
+    outs = speculant.generate(target, prompts, drafter="ngram", gamma=4, max_new_tokens=30)
+    for p, ref, out in zip(prompts, refs, outs):
+        assert out.token_ids == ref, mismatch_report(target, p, ref, out.token_ids)
+    assert outs[1].finish_reason == "eos" and outs[1].token_ids[-1] == eos
+
+
+def test_repetition_penalty_greedy_matches_hf():
+    target = tiny_llama(4)
+    prompts = _prompts(4)
+    for p in prompts:
+        x = torch.tensor([p])
+        ref = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=30, do_sample=False,
+                              repetition_penalty=1.3)[0, len(p):].tolist()
+        for drafter in ["ngram", ModelDrafter(perturbed(target, 0.3))]:
+            out = speculant.generate(target, p, drafter=drafter, gamma=4, max_new_tokens=30, repetition_penalty=1.3)
+            assert out.token_ids == ref, mismatch_report(target, p, ref, out.token_ids)
+
+
+def test_kv_caches_equal_a_fresh_prefill_after_rejections():
+    """Invariant 3: after each pass, the target's and drafter's caches hold exactly the accepted text."""
+    target = tiny_llama(5)
+    drafter = ModelDrafter(perturbed(target, 0.5))
+    gen = speculant.Generator(speculant.models.LoadedModel(target, None, "tiny"), drafter, gamma=4)
+    prompts = _prompts(5)
+    it = gen.stream_ids(prompts, max_new_tokens=30)
+    texts = {i: list(p) for i, p in enumerate(prompts)}
+    checked = rejections = 0
+    for row, new in it:
+        texts[row].extend(new)
+        rejections += len(new) < 5 and len(texts[row]) - len(prompts[row]) < 25
+        if row != gen.engine.slots[-1]:
+            continue  # check once per pass, after the last active row was emitted
+        state = gen.engine.state
+        for slot, r in enumerate(gen.engine.slots):
+            if slot >= state.valid.shape[0]:
+                break
+            accepted = texts[r][:-1]  # the newest token is fed at the next pass
+            with torch.no_grad():
+                fresh = target(torch.tensor([accepted]), use_cache=True).past_key_values
+            for layer in range(2):
+                k, v = state.valid_kv(slot, layer)
+                fk, fv = fresh.layers[layer].keys[0], fresh.layers[layer].values[0]
+                assert k.shape == fk.shape, (k.shape, fk.shape)
+                torch.testing.assert_close(k, fk, atol=1e-5, rtol=1e-4)
+                torch.testing.assert_close(v, fv, atol=1e-5, rtol=1e-4)
+            checked += 1
+    assert checked > 10 and rejections > 3
+
+
+def test_model_drafter_cache_rolls_back_to_accepted_text():
+    target = tiny_llama(6)
+    draft_model = perturbed(target, 0.5)
+    drafter = ModelDrafter(draft_model)
+    from speculant.drafters import DraftContext
+    from speculant.sampling import LogitsProcessing, SamplingParams
+
+    prompts = _prompts(6)
+    drafter.start(DraftContext(prompts, LogitsProcessing(SamplingParams()), None, torch.device("cpu"), 96))
+    texts = [list(p) for p in prompts]
+    drafter.update([[7], [8], [9], [10]], [0, 0, 0, 0])
+    for t, first in zip(texts, [7, 8, 9, 10]):
+        t.append(first)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(6):
+        prop = drafter.propose(4)
+        n = torch.randint(0, 5, (4,), generator=g).tolist()  # the target keeps a random prefix
+        new = [prop.tokens[i, : n[i]].tolist() + [int(torch.randint(0, 96, (1,), generator=g))] for i in range(4)]
+        drafter.update(new, n)
+        for i in range(4):
+            texts[i].extend(new[i])
+            in_cache = texts[i][: len(texts[i]) - len(drafter.to_feed[i])]
+            with torch.no_grad():
+                fresh = draft_model(torch.tensor([in_cache]), use_cache=True).past_key_values
+            k, v = drafter.state.valid_kv(i, 1)
+            torch.testing.assert_close(k, fresh.layers[1].keys[0], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(v, fresh.layers[1].values[0], atol=1e-5, rtol=1e-4)

@@ -1,0 +1,110 @@
+"""Invariant 2: speculative sampling gives exactly the target's distribution (Monte Carlo, chi-square).
+
+A tiny 4-token model generates 4-token continuations (256 outcomes). The exact distribution of the
+target under the same processing is computed by enumeration; plain sampling (drafter none) and
+speculative sampling (model and n-gram drafters) must both fit it. A deliberately wrong residual
+(sampling the correction from p instead of norm(max(0, p - q))) must fail the same test: that is
+the proof the test has the power to catch a wrong formula.
+"""
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chi2
+
+import speculant
+from speculant.drafters import ModelDrafter, NgramDrafter, NoDrafter
+from speculant.sampling import LogitsProcessing, SamplingParams, block_presence
+from helpers import tiny_llama
+
+V, NEW, N = 4, 4, 24_000
+PROMPT = [0, 1, 2, 0, 1, 3, 0, 1]
+
+
+def peaked(seed):
+    m = tiny_llama(seed, vocab=V, hidden=32)
+    with torch.no_grad():
+        m.lm_head.weight.mul_(60)  # random tiny models are near-uniform: make p and q differ
+    return m
+
+
+def exact_distribution(model, params):
+    seqs = torch.tensor(list(itertools.product(range(V), repeat=NEW)))
+    x = torch.cat([torch.tensor(PROMPT).expand(len(seqs), -1), seqs], 1)
+    with torch.no_grad():
+        logits = model(x).logits[:, len(PROMPT) - 1 : -1]
+    seen = torch.zeros(len(seqs), V, dtype=torch.bool)
+    seen[:, PROMPT] = True
+    presence = block_presence(seen, seqs[:, :-1]) if params.uses_context else None
+    probs = LogitsProcessing(params).probs(logits, presence)
+    return probs.gather(2, seqs[..., None]).squeeze(2).prod(1).double()
+
+
+def sample_counts(target, drafter, params, seed):
+    outs = speculant.generate(target, [PROMPT] * N, drafter=drafter, gamma=3, max_new_tokens=NEW, seed=seed,
+                              **params.__dict__)
+    codes = torch.tensor([sum(t * V ** (NEW - 1 - i) for i, t in enumerate(o.token_ids)) for o in outs])
+    accepted = sum(o.stats["accepted_draft_tokens"] for o in outs)
+    drafted = sum(o.stats["draft_tokens"] for o in outs)
+    return torch.bincount(codes, minlength=V**NEW).double(), accepted / max(drafted, 1)
+
+
+def fit_pvalue(counts, expected_probs):
+    if counts[expected_probs == 0].sum() > 0:
+        return 0.0  # an impossible continuation was sampled
+    counts, expected_probs = counts[expected_probs > 0], expected_probs[expected_probs > 0]
+    expected = expected_probs / expected_probs.sum() * counts.sum()
+    big = expected >= 5
+    if big.all():
+        return _chi_square_pvalue(counts, expected)
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    return _chi_square_pvalue(obs, exp)
+
+
+def _chi_square_pvalue(observed, expected):
+    stat = float(((observed - expected) ** 2 / expected).sum())
+    return float(chi2.sf(stat, len(observed) - 1))
+
+
+PARAMS = {
+    "temperature=1": SamplingParams(temperature=1.0),
+    "t=0.8,top_k=3,rep=1.3": SamplingParams(temperature=0.8, top_k=3, repetition_penalty=1.3),
+    "t=1.2,top_p=0.9,min_p=0.05": SamplingParams(temperature=1.2, top_p=0.9, min_p=0.05),
+}
+
+
+@pytest.mark.parametrize("params_name", list(PARAMS))
+@pytest.mark.parametrize("kind", ["none", "model", "ngram"])
+def test_sampling_matches_target_distribution(kind, params_name):
+    params = PARAMS[params_name]
+    target = peaked(0)
+    drafter = {"none": NoDrafter(), "ngram": NgramDrafter(), "model": ModelDrafter(peaked(1))}[kind]
+    counts, alpha = sample_counts(target, drafter, params, seed=1234)
+    pvalue = fit_pvalue(counts, exact_distribution(target, params))
+    assert pvalue > 1e-4, f"{kind} {params_name}: chi-square p-value {pvalue:.2e} (acceptance {alpha:.2f})"
+    if kind != "none":
+        assert 0.05 < alpha < 0.95, f"acceptance {alpha:.2f}: too extreme to exercise both accept and reject"
+
+
+@pytest.mark.parametrize("kind", ["model", "ngram"])
+def test_a_wrong_residual_fails_the_distribution_test(kind, monkeypatch):
+    import speculant.verify as verify
+
+    monkeypatch.setattr(verify, "residual_distribution", lambda p, q: p)  # the classic mistake
+    params = PARAMS["temperature=1"]
+    target = peaked(0)
+    drafter = ModelDrafter(peaked(1)) if kind == "model" else NgramDrafter()
+    counts, _ = sample_counts(target, drafter, params, seed=99)
+    pvalue = fit_pvalue(counts, exact_distribution(target, params))
+    assert pvalue < 1e-6, f"a wrong residual went unnoticed (p-value {pvalue:.2e})"
+
+
+def test_same_seed_same_output_different_seed_differs():
+    target = peaked(0)
+    a = speculant.generate(target, PROMPT, drafter=ModelDrafter(peaked(1)), max_new_tokens=20, seed=5, temperature=1.0)
+    b = speculant.generate(target, PROMPT, drafter=ModelDrafter(peaked(1)), max_new_tokens=20, seed=5, temperature=1.0)
+    outs = {tuple(speculant.generate(target, PROMPT, drafter="ngram", max_new_tokens=20, seed=s, temperature=1.0).token_ids)
+            for s in range(6)}
+    assert a.token_ids == b.token_ids
+    assert len(outs) > 1
