@@ -9,6 +9,7 @@ import torch
 from .drafters import Drafter, ModelDrafter, make_drafter, validate_drafter_spec
 from .engine import Engine, Request, Row
 from .errors import SpeculantError
+from .models.backend import PATHS, Backend
 from .models.loading import LoadedModel, load_model
 from .sampling import SamplingParams
 
@@ -59,12 +60,16 @@ def _cut_at_stop(text: str, stop: Sequence[str] | None) -> str:
 class Generator:
     """A target model with a drafter, ready to generate."""
 
-    def __init__(self, target: LoadedModel, drafter: Drafter, gamma: int | None = None):
+    def __init__(self, target: LoadedModel, drafter: Drafter, gamma: int | None = None, path: str = "auto",
+                 compile: bool = False):
         self.target = target
         self.drafter = drafter
         kind = drafter.name if drafter.name in DEFAULT_GAMMA else "model"
         self.gamma = check_gamma(gamma) if gamma is not None else max(1, DEFAULT_GAMMA[kind])
-        self.engine = Engine(target.model, drafter, target.eos_token_ids, target.context_length)
+        if isinstance(drafter, ModelDrafter):  # the drafter takes the target's path
+            drafter.backend = Backend(drafter.model, path, compile)
+        self.backend = Backend(target.model, path, compile)
+        self.engine = Engine(target.model, drafter, target.eos_token_ids, target.context_length, self.backend)
 
     @property
     def tokenizer(self):
@@ -166,19 +171,25 @@ class Generator:
 
 
 def load(target: str = "default", drafter: str | Drafter | None = None, gamma: int | None = None,
-         device: str | None = None, dtype: str | None = None) -> Generator:
-    """Load a target ("default" | model folder | .gguf) and a drafter ("none" | "ngram" | "model:PATH")."""
+         device: str | None = None, dtype: str | None = None, path: str = "auto", compile: bool = False) -> Generator:
+    """Load a target ("default" | model folder | .gguf) and a drafter ("none" | "ngram" | "model:PATH").
+
+    path: "auto" (the static-cache fast path on CUDA for Llama-family models), "fast" or "general".
+    compile: torch.compile the fast path's forward (worth it for long runs; compiling takes a while).
+    """
+    if path not in PATHS:
+        raise SpeculantError(f"unknown path {path!r}: use one of {', '.join(PATHS)}")
     if gamma is not None:
         check_gamma(gamma)
     validate_drafter_spec(drafter or DEFAULT_DRAFTER)  # bad input fails before any model work
     tgt = load_model(target, device=device, dtype=dtype)
     d = make_drafter(drafter or DEFAULT_DRAFTER, tgt)
-    return Generator(tgt, d, gamma)
+    return Generator(tgt, d, gamma, path, compile)
 
 
 def generate(model: torch.nn.Module, input_ids, drafter: str | Drafter | torch.nn.Module = "ngram",
              gamma: int | None = None, max_new_tokens: int = 128, seed: int | None = None,
-             tokenizer=None, **sampling):
+             tokenizer=None, path: str = "auto", compile: bool = False, **sampling):
     """Speculative generation for a transformers model already in memory.
 
     input_ids: a list of ids, a 1-D tensor, a list of lists or a 2-D tensor (rows without padding).
@@ -202,6 +213,6 @@ def generate(model: torch.nn.Module, input_ids, drafter: str | Drafter | torch.n
         drafter = ModelDrafter(drafter.eval(), label=type(drafter).__name__)
     elif isinstance(drafter, str) and drafter.startswith("model:"):
         raise SpeculantError("speculant.generate takes a loaded draft model object, not 'model:PATH'")
-    gen = Generator(target, make_drafter(drafter, target), gamma)
+    gen = Generator(target, make_drafter(drafter, target), gamma, path, compile)
     outs = gen.generate_ids(rows, max_new_tokens, None, seed, None, **sampling)
     return outs[0] if single else outs

@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
     g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32 on CPU, bfloat16 on GPU)")
+    g.add_argument("--path", default="auto", choices=["auto", "fast", "general"],
+                   help="fast = static KV cache + own Llama forward (default on CUDA); general = any HF model")
+    g.add_argument("--compile", action="store_true", help="torch.compile the fast path (slow to start, faster after)")
     g.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
@@ -79,7 +82,8 @@ def cmd_generate(args) -> int:
         raise SpeculantError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if not args.prompt.strip():
         raise SpeculantError("the prompt is empty: give some text to continue")
-    gen = load(args.target, drafter=args.drafter, gamma=args.gamma, device=args.device, dtype=args.dtype)
+    gen = load(args.target, drafter=args.drafter, gamma=args.gamma, device=args.device, dtype=args.dtype,
+               path=args.path, compile=args.compile)
     chat = not args.no_chat_template
     kwargs = dict(max_new_tokens=args.max_new_tokens, seed=args.seed, stop=args.stop, chat_template=chat, **sampling)
     prompt_ids = gen.encode(args.prompt, chat)

@@ -15,7 +15,7 @@ import torch
 
 from .drafters.base import DraftContext, Drafter
 from .drafters.model import left_pad, presence_of
-from .models.kv import KVState
+from .models.backend import Backend
 from .sampling import LogitsProcessing, SamplingParams, block_presence
 from .verify import greedy_verify, sample_verify
 
@@ -105,8 +105,10 @@ def _sync(device: torch.device) -> None:
 
 
 class Engine:
-    def __init__(self, target: torch.nn.Module, drafter: Drafter, eos_token_ids: set[int], context_length: int):
+    def __init__(self, target: torch.nn.Module, drafter: Drafter, eos_token_ids: set[int], context_length: int,
+                 backend: Backend | None = None):
         self.target = target
+        self.backend = backend or Backend(target)
         self.drafter = drafter
         self.eos = set(eos_token_ids)
         self.context_length = context_length
@@ -124,7 +126,9 @@ class Engine:
         t0 = time.perf_counter()
 
         # Prefill: the target's first token comes from the prompt alone.
-        state = KVState(self.target, len(rows))
+        longest = max(len(p) for p in req.prompts)
+        max_tokens = min(longest + req.max_new_tokens, self.context_length) + 2 * req.gamma + 2
+        state = self.backend.new_state(len(rows), max_tokens)
         self.state, self.slots = state, active  # for inspection (tests of the rollback invariant)
         tokens, valid = left_pad(req.prompts, dev)
         seen = presence_of(req.prompts, self.vocab_size, dev) if params.uses_context else None
@@ -134,7 +138,7 @@ class Engine:
         for r in rows:
             r.stats.target_seconds += time.perf_counter() - t0
             r.stats.count_pass(0, 0)
-        self.drafter.start(DraftContext(req.prompts, proc, generator, dev, self.vocab_size))
+        self.drafter.start(DraftContext(req.prompts, proc, generator, dev, self.vocab_size, max_tokens))
         new = [[t] for t in pending.tolist()]
         n_acc = [0] * len(rows)
 
@@ -167,14 +171,14 @@ class Engine:
             _sync(dev)
             tt = time.perf_counter()
             block = torch.cat([pending[:, None], prop.tokens], dim=1)
-            start = state.length
+            start = state.lengths()
             logits = state.append(block)
             presence = block_presence(seen, prop.tokens) if seen is not None else None
             if params.greedy:
                 n, pending = greedy_verify(proc.scores(logits, presence).argmax(-1), prop.tokens, prop.lengths)
             else:
                 n, pending = sample_verify(proc.probs(logits, presence), prop.tokens, prop.lengths, prop.probs, generator)
-            state.keep(start, n + 1)
+            state.rollback(start + n + 1)
             _sync(dev)
             tv = time.perf_counter()
             n_acc = n.tolist()

@@ -25,6 +25,7 @@ class DraftContext:
     generator: torch.Generator | None
     device: torch.device
     vocab_size: int  # the target's: q must have this width
+    max_tokens: int | None = None  # an upper bound on any row's length (sizes static caches)
 
 
 class Drafter(ABC):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..models.kv import KVState
+from ..models.backend import Backend
 from ..sampling import block_presence
 from .base import DraftContext, Drafter, Proposal
 
@@ -46,20 +46,22 @@ def fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
 class ModelDrafter(Drafter):
     name = "model"
 
-    def __init__(self, model: torch.nn.Module, label: str = "model"):
+    def __init__(self, model: torch.nn.Module, label: str = "model", backend: Backend | None = None):
         self.model = model
         self.label = label
+        self.backend = backend or Backend(model)
 
     def describe(self) -> str:
         return f"model:{self.label}"
 
     def start(self, ctx: DraftContext) -> None:
         self.ctx = ctx
-        self.state = KVState(self.model, len(ctx.prompts))
+        longest = max(len(p) for p in ctx.prompts)
+        self.state = self.backend.new_state(len(ctx.prompts), ctx.max_tokens or longest + 4096)
         tokens, valid = left_pad(ctx.prompts, ctx.device)
         self.state.append(tokens, valid, last_only=True)
         self.to_feed: list[list[int]] = [[] for _ in ctx.prompts]
-        self.block_start: int | None = None
+        self.block_start: torch.Tensor | None = None
         self.fed_drafts: list[list[int]] = [[] for _ in ctx.prompts]
         self.seen = (
             presence_of(ctx.prompts, ctx.vocab_size, ctx.device) if ctx.processing.params.uses_context else None
@@ -70,7 +72,7 @@ class ModelDrafter(Drafter):
         proc, params = self.ctx.processing, self.ctx.processing.params
         tokens, valid = left_pad(self.to_feed, self.ctx.device)
         logits = self.state.append(tokens, valid, last_only=True)[:, -1]
-        self.block_start = self.state.length
+        self.block_start = self.state.lengths()
         B = tokens.shape[0]
         drafts = torch.zeros(B, gamma, dtype=torch.long, device=self.ctx.device)
         probs = [] if not params.greedy else None
@@ -90,7 +92,7 @@ class ModelDrafter(Drafter):
     def update(self, new_tokens, n_accepted) -> None:
         if self.block_start is not None:
             keep = torch.tensor([min(n, self.fed) for n in n_accepted], device=self.ctx.device)
-            self.state.keep(self.block_start, keep)
+            self.state.rollback(self.block_start + keep)
             self.to_feed = [toks[k:] for toks, k in zip(new_tokens, keep.tolist())]
         else:  # the target's first token, before any proposal
             self.to_feed = [list(t) for t in new_tokens]
@@ -103,6 +105,8 @@ class ModelDrafter(Drafter):
     def select(self, rows) -> None:
         idx = torch.tensor(rows, dtype=torch.long, device=self.ctx.device)
         self.state.select(idx)
+        if self.block_start is not None:
+            self.block_start = self.block_start[idx]
         self.to_feed = [self.to_feed[r] for r in rows]
         if self.seen is not None:
             self.seen = self.seen[idx]

@@ -50,10 +50,9 @@ class KVState:
         self.valid = mask
         return out.logits
 
-    def keep(self, start: int, counts: torch.Tensor) -> None:
-        """Roll back: of the columns from ``start`` on, row b keeps only its first ``counts[b]`` slots."""
-        cols = torch.arange(self.length, device=self.valid.device)[None, :]
-        self.valid = self.valid & (cols < start + counts[:, None].to(self.valid.device))
+    def rollback(self, lengths: torch.Tensor) -> None:
+        """Roll back: row b keeps only its first ``lengths[b]`` valid tokens."""
+        self.valid = self.valid & (self.valid.cumsum(1) <= lengths[:, None].to(self.valid.device))
         self._trim()
         self._maybe_compact()
 

@@ -1,0 +1,59 @@
+"""Which KV state (and forward) a model runs with: the fast static-cache path or the general one."""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from .fast import FastLlama, StaticKVState, supports
+from .kv import KVState
+
+PATHS = ("auto", "fast", "general")
+
+
+class Backend:
+    """Makes KV states for one model.
+
+    path: auto (fast on CUDA when the architecture is supported), fast, general.
+    graphs: on CUDA, replay the fast forward as CUDA graphs (default on with the fast path there).
+    compile: wrap the fast forward in torch.compile (the CPU's equivalent: fused C++ kernels).
+    """
+
+    def __init__(self, model: torch.nn.Module, path: str = "auto", compile: bool = False, quiet: bool = False,
+                 graphs: bool | None = None):
+        if path not in PATHS:
+            raise ValueError(f"path must be one of {PATHS}")
+        self.model = model
+        device = next(model.parameters()).device
+        ok, why = supports(model)
+        want_fast = path == "fast" or (path == "auto" and device.type == "cuda")
+        if want_fast and not ok and not quiet:
+            print(f"speculant: {why}; using the general path", file=sys.stderr)
+        self.fast = FastLlama(model) if want_fast and ok else None
+        self.step = None
+        self.name = "general"
+        self.caches: dict[tuple[int, int], tuple[list, list]] = {}
+        if self.fast is not None:
+            self.name = "fast"
+            if compile:
+                self.step = torch.compile(self.fast.forward, dynamic=False)
+                self.name += "+compiled"
+            if device.type == "cuda" and (graphs is None or graphs):
+                from .cuda_graphs import GraphedForward
+
+                self.step = GraphedForward(self.step or self.fast.forward)
+                self.name += "+cudagraphs"
+
+    def new_state(self, batch: int, max_tokens: int):
+        if self.fast is None:
+            return KVState(self.model, batch)
+        size = -(-max_tokens // 256) * 256  # round up: fewer distinct shapes to capture or compile
+        # one cache per shape, reused by later requests, so captured graphs stay valid and replay
+        if (batch, size) not in self.caches:
+            if len(self.caches) >= 4:  # keep memory bounded: drop the oldest cache and its graphs
+                old = next(iter(self.caches))
+                if hasattr(self.step, "forget"):
+                    self.step.forget(*self.caches[old])
+                del self.caches[old]
+            self.caches[(batch, size)] = self.fast.new_cache(batch, size)
+        return StaticKVState(self.fast, self.caches[(batch, size)], self.step)

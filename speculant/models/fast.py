@@ -1,0 +1,157 @@
+"""The fast path for Llama-family models: our own compact forward over the model's weights and a
+preallocated static KV cache with a length pointer per row (gpt-fast style).
+
+- Rollback is moving a row's pointer back: rejected slots are simply overwritten later.
+- Rows of a batch write at their own positions (scatter), so rows that accepted different numbers
+  of tokens never leave holes; a query at position t sees exactly the slots 0..t of its row.
+- Every step has static shapes (batch, block width, cache size), so the decode step and each
+  (γ+1)-token verification step can be captured as CUDA graphs (``torch.compile``,
+  mode="reduce-overhead") or compiled for the CPU.
+- The math follows transformers' Llama modules op for op (float32 RMSNorm statistics, rotary
+  tables cast to the activation dtype, SDPA attention), so greedy output matches ``generate``.
+
+Supported: model types whose decoder layer is Llama's (llama, mistral without sliding window,
+qwen2, smollm): see ``supports``. Anything else runs on the general path (``KVState``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FAST_MODEL_TYPES = {"llama", "mistral", "qwen2"}
+
+
+def supports(model: torch.nn.Module) -> tuple[bool, str]:
+    cfg = getattr(model, "config", None)
+    mtype = getattr(cfg, "model_type", None)
+    if mtype not in FAST_MODEL_TYPES:
+        return False, f"model type {mtype!r} has no fast path"
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) and mtype != "llama":
+        return False, "sliding-window attention has no fast path"
+    act = getattr(cfg, "hidden_act", "silu")
+    if act != "silu":
+        return False, f"activation {act!r} has no fast path"
+    return True, ""
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class FastLlama:
+    """A functional view of a transformers Llama-family CausalLM: shares its weights, no copies."""
+
+    def __init__(self, hf_model: torch.nn.Module):
+        cfg = hf_model.config
+        inner = hf_model.model
+        self.hf_model = hf_model
+        self.n_layers = cfg.num_hidden_layers
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.eps = cfg.rms_norm_eps
+        self.embed = inner.embed_tokens
+        self.layers = inner.layers
+        self.norm = inner.norm
+        self.lm_head = hf_model.get_output_embeddings()
+        self.inv_freq = inner.rotary_emb.inv_freq
+        self.rope_scale = float(getattr(inner.rotary_emb, "attention_scaling", 1.0))
+        self.scaling = self.layers[0].self_attn.scaling
+        p = next(hf_model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+
+    def new_cache(self, batch: int, size: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        shape = (batch, self.n_kv, size, self.head_dim)
+        keys = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self.n_layers)]
+        values = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self.n_layers)]
+        return keys, values
+
+    def forward(self, tokens, positions, write_at, keys, values, last_only: bool = False):
+        """tokens/positions/write_at: [B, w]. Writes K/V of the block at ``write_at`` and attends,
+        for each query, to the slots at or before its position. Returns logits [B, w or 1, V]."""
+        B, w = tokens.shape
+        S = keys[0].shape[2]
+        h = self.embed(tokens)
+        freqs = positions[..., None].float() * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.rope_scale).to(h.dtype)[:, None]
+        sin = (emb.sin() * self.rope_scale).to(h.dtype)[:, None]
+        mask = torch.arange(S, device=tokens.device)[None, None, None, :] <= positions[:, None, :, None]
+        idx = write_at[:, None, :, None].expand(B, self.n_kv, w, self.head_dim)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = _rms_norm(h, layer.input_layernorm.weight, self.eps)
+            q = attn.q_proj(x).view(B, w, self.n_heads, self.head_dim).transpose(1, 2)
+            k = attn.k_proj(x).view(B, w, self.n_kv, self.head_dim).transpose(1, 2)
+            v = attn.v_proj(x).view(B, w, self.n_kv, self.head_dim).transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            keys[i].scatter_(2, idx, k)
+            values[i].scatter_(2, idx, v)
+            o = F.scaled_dot_product_attention(
+                q, keys[i], values[i], attn_mask=mask, scale=self.scaling, enable_gqa=self.n_kv != self.n_heads
+            )
+            h = h + attn.o_proj(o.transpose(1, 2).reshape(B, w, -1))
+            x = _rms_norm(h, layer.post_attention_layernorm.weight, self.eps)
+            mlp = layer.mlp
+            h = h + mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+        if last_only:
+            h = h[:, -1:]
+        return self.lm_head(_rms_norm(h, self.norm.weight, self.eps))
+
+
+class StaticKVState:
+    """KVState's interface over a static cache: ``lengths`` pointers, ``rollback`` moves them.
+
+    ``compile`` wraps the forward in ``torch.compile`` (CUDA graphs on GPU via reduce-overhead);
+    shapes stay static because the cache is allocated once at ``size`` slots.
+    """
+
+    def __init__(self, fast: FastLlama, cache: tuple[list, list], step=None):
+        self.fast = fast
+        self.keys, self.values = cache
+        batch_size, self.size = self.keys[0].shape[0], self.keys[0].shape[2]
+        self.ptr = torch.zeros(batch_size, dtype=torch.long, device=fast.device)
+        self.step = step or fast.forward
+
+    def lengths(self) -> torch.Tensor:
+        return self.ptr.clone()
+
+    @torch.no_grad()
+    def append(self, tokens: torch.Tensor, valid: torch.Tensor | None = None, last_only: bool = False):
+        B, w = tokens.shape
+        if valid is None:
+            n_real = torch.full((B,), w, dtype=torch.long, device=tokens.device)
+        else:
+            n_real = valid.sum(1)
+        # inputs are right-aligned (left padding): real column t of row b is token t-(w-n_b)
+        col = torch.arange(w, device=tokens.device)[None, :]
+        offset = col - (w - n_real[:, None])
+        real = offset >= 0
+        # pad columns go past the real ones, where no real query can see them
+        positions = torch.where(real, self.ptr[:, None] + offset, self.ptr[:, None] + n_real[:, None] + col)
+        if int(positions.max()) >= self.size:
+            raise RuntimeError("static KV cache is full")  # sized by the engine; a bug if reached
+        logits = self.step(tokens, positions, positions, self.keys, self.values, last_only)
+        self.ptr = self.ptr + n_real
+        return logits
+
+    def rollback(self, lengths: torch.Tensor) -> None:
+        self.ptr = torch.minimum(self.ptr, lengths.to(self.ptr.device))
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.keys = [k[rows] for k in self.keys]
+        self.values = [v[rows] for v in self.values]
+        self.ptr = self.ptr[rows]
+
+    def valid_kv(self, row: int, layer: int = 0):
+        n = int(self.ptr[row])
+        return self.keys[layer][row, :, :n], self.values[layer][row, :, :n]
