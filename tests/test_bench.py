@@ -230,6 +230,21 @@ def test_records_from_the_real_engine_match_the_known_pattern(tiny):
     assert hf["mean_accepted_tokens"] == 1.0  # forward passes counted by hook: one per token
 
 
+def test_peak_memory_sees_what_a_block_allocates():
+    import os
+
+    from speculant.bench.methods import PeakMemory
+
+    if not os.access("/proc/self/clear_refs", os.W_OK):
+        pytest.skip("needs Linux /proc/self/clear_refs")
+    with PeakMemory(torch.device("cpu")) as small:
+        pass
+    with PeakMemory(torch.device("cpu")) as big:
+        x = torch.ones(16 * 2**20)  # 64 MiB, freed before the block ends
+        del x
+    assert big.kind == "process_peak_rss" and big.above_start >= 48 * 2**20 > small.above_start
+
+
 # ---------------------------------------------------------------- plan
 
 def test_plan_runs_only_what_each_sweep_needs():
@@ -253,7 +268,7 @@ def test_quick_run_writes_every_output_file(tiny, tmp_path, capsys):
     out = tmp_path / "out"
     code = main(["bench", "--quick", "--target", tiny["target"], "--prompts", tiny["prompts"],
                  "--drafters", f"ngram,model:{tiny['draft']}", "--gamma", "2,auto", "--temperature", "0,1.0",
-                 "--batch-size", "1,2", "--max-new-tokens", "8", "--device", "cpu", "--out", str(out),
+                 "--batch-size", "1,2", "--max-new-tokens", "6", "--device", "cpu", "--out", str(out),
                  "--no-progress"])
     stdout, err = capsys.readouterr()
     assert code == 0, err

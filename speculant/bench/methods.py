@@ -65,13 +65,15 @@ class PeakMemory:
     peak RSS of the whole process so far (``kind`` says which)."""
 
     def __init__(self, device: torch.device):
-        self.device, self.peak = device, 0
+        self.device, self.peak, self.start = device, 0, 0
         self.kind = "cuda_max_allocated" if device.type == "cuda" else "process_peak_rss"
 
     def __enter__(self):
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+            self.start = int(torch.cuda.memory_allocated(self.device))
             return self
+        self.start = _proc_status("VmRSS")
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
@@ -83,7 +85,7 @@ class PeakMemory:
         if self.device.type == "cuda":
             self.peak = int(torch.cuda.max_memory_allocated(self.device))
         elif self.kind == "process_peak_rss":
-            self.peak = _vm_hwm()
+            self.peak = _proc_status("VmHWM")
         else:
             import resource
             import sys
@@ -92,12 +94,20 @@ class PeakMemory:
             self.peak = int(rss if sys.platform == "darwin" else rss * 1024)
         return False
 
+    @property
+    def above_start(self) -> int:
+        """What the block itself added on top of what was live when it began (weights, caches)."""
+        return max(0, self.peak - self.start)
 
-def _vm_hwm() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
+
+def _proc_status(field: str) -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return 0
 
 
@@ -180,7 +190,7 @@ class MethodRunner:
             "gamma": setting.gamma, "gamma_used": self.resolved_gamma(method, setting.gamma),
             "temperature": setting.temperature, "batch_size": setting.batch_size,
             "max_new_tokens": max_new_tokens, "seed": seed,
-            "seconds": seconds, "peak_memory_bytes": mem.peak,
+            "seconds": seconds, "peak_memory_bytes": mem.peak, "peak_memory_above_start_bytes": mem.above_start,
             "memory_kind": mem.kind,
             "rows": rows, **extra,
         }

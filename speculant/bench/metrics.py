@@ -105,6 +105,7 @@ def _group_metrics(recs: list[dict], rows: list[dict], ref: dict) -> dict:
         "target_passes_per_token": _ratio(passes, tokens) if passes else None,
         "acceptance_by_position": acceptance_by_position(rows) if drafted else [],
         "peak_memory_bytes": max(rec["peak_memory_bytes"] for rec in recs),
+        "peak_memory_above_start_bytes": max(rec.get("peak_memory_above_start_bytes", 0) for rec in recs),
     }
     greedy = all(rec["temperature"] == 0 for rec in recs)
     compared = [r for r in rows if greedy and r["prompt_id"] in ref]

@@ -65,8 +65,8 @@ def primary_table(summary: list[dict], categories: list[str]) -> str:
     """Method rows x category columns: speedup vs HF generate and τ; then the overall numbers.
     ``summary``: the primary rows only."""
     cols = categories + [ALL]
-    head = "| method | " + " | ".join(cols) + " | tok/s | α | identical |"
-    lines = [head, "|" + "---|" * (len(cols) + 4)]
+    head = "| method | " + " | ".join(cols) + " | tok/s | α | peak MiB | identical |"
+    lines = [head, "|" + "---|" * (len(cols) + 5)]
     for m in method_order(find(summary)):
         cells = []
         for c in cols:
@@ -80,7 +80,8 @@ def primary_table(summary: list[dict], categories: list[str]) -> str:
         a = find(summary, method=m, category=ALL)[0]
         ident = a["identical"] if not a["identical"].startswith("NO") else f"**❌ {a['identical']}**"
         lines.append(f"| {m} | " + " | ".join(cells) +
-                     f" | {_fmt(a['tokens_per_second'], '.1f')} | {_fmt(a['acceptance_rate'])} | {ident} |")
+                     f" | {_fmt(a['tokens_per_second'], '.1f')} | {_fmt(a['acceptance_rate'])} "
+                     f"| {_fmt(_mib(a['peak_memory_bytes']), '.0f')} | {ident} |")
     return "\n".join(lines)
 
 
@@ -235,7 +236,7 @@ def write_results(out_dir: Path, config, prompts, records: list[dict], summary: 
     if bad:
         md += [f"**❌ OUTPUT MISMATCH: {len(bad)} greedy output(s) differ from HF generate** "
                "(see `mismatches` in results.json)", ""]
-    md += [f"Greedy speedup vs HF `generate` · τ (tokens per target pass), batch 1, "
+    md += [f"{'Greedy speedup' if p.temperature == 0 else 'Speedup'} vs HF `generate` · τ (tokens per target pass), batch 1, "
            f"temperature {p.temperature}, γ {p.gamma}, {config.max_new_tokens} new tokens, "
            f"torch {machine['torch']}, transformers {machine['transformers']}.", "",
            primary_table(prim, categories), ""]
