@@ -88,7 +88,7 @@ def cmd_bench(args) -> int:
     from .methods import MethodRunner
     from .metrics import mismatches, summarize
     from .prompts import read_prompts, select_prompts
-    from .report import machine_info, write_results
+    from .report import device_label, machine_info, write_results
     from .runner import BenchConfig, count_calls, plan, run_benchmark
 
     max_new = args.max_new_tokens if args.max_new_tokens is not None else (
@@ -109,7 +109,7 @@ def cmd_bench(args) -> int:
     runner = MethodRunner(config.target, config.drafters, config.device, config.dtype)
     machine = machine_info(runner.device)
     out_dir = Path(args.out) if args.out else Path("bench-out") / (
-        f"{_slug(machine['gpu'] or machine['cpu'])}-{time.strftime('%Y%m%d-%H%M%S')}")
+        f"{_slug(device_label(machine))}-{time.strftime('%Y%m%d-%H%M%S')}")
     total = count_calls(config, prompts, plan(config))
     print(f"speculant bench: {len(prompts)} prompts, {total} generate calls on {runner.device} "
           f"-> {out_dir}", file=sys.stderr)

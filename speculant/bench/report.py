@@ -43,6 +43,11 @@ def machine_info(device) -> dict:
     return info
 
 
+def device_label(machine: dict) -> str:
+    """The processor the run used: the GPU for a CUDA run, else the CPU."""
+    return machine["gpu"] if machine["device"].startswith("cuda") and machine["gpu"] else machine["cpu"]
+
+
 def _fmt(x, spec=".2f", none="—"):
     return none if x is None else format(x, spec)
 
@@ -232,7 +237,7 @@ def write_results(out_dir: Path, config, prompts, records: list[dict], summary: 
     files["records_csv"] = out_dir / "records.csv"
     write_csv(files["records_csv"], flat_rows(records))
 
-    md = [f"## speculant bench: {config.target} on {machine['gpu'] or machine['cpu']}", ""]
+    md = [f"## speculant bench: {config.target} on {device_label(machine)}", ""]
     if bad:
         md += [f"**❌ OUTPUT MISMATCH: {len(bad)} greedy output(s) differ from HF generate** "
                "(see `mismatches` in results.json)", ""]
