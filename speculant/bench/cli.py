@@ -1,0 +1,131 @@
+"""``speculant bench``: compare HF generate, HF assisted generation and speculant on prompt suites."""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from pathlib import Path
+
+from ..errors import SpeculantError
+from .methods import AUTO
+
+QUICK_PER_CATEGORY, QUICK_MAX_NEW_TOKENS = 2, 32
+
+
+def _list(kind: str, parse):
+    def convert(value: str):
+        items = [v.strip() for v in value.split(",") if v.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"{kind}: give a comma-separated list")
+        try:
+            return [parse(v) for v in items]
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{kind}: {e}") from None
+    return convert
+
+
+def _gamma(v: str):
+    if v == AUTO:
+        return AUTO
+    if not v.isdigit() or int(v) < 1:
+        raise ValueError(f"each γ must be an integer >= 1 or 'auto', got {v!r}")
+    return int(v)
+
+
+def _temperature(v: str) -> float:
+    t = float(v)
+    if t < 0:
+        raise ValueError(f"temperatures must be >= 0, got {v!r}")
+    return t
+
+
+def _batch(v: str) -> int:
+    if not v.isdigit() or int(v) < 1:
+        raise ValueError(f"batch sizes must be integers >= 1, got {v!r}")
+    return int(v)
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    from ..drafters import DRAFTER_HELP
+
+    b = subparsers.add_parser(
+        "bench", help="benchmark drafters against HF generate",
+        description="Spec-Bench-style benchmark: HF generate, HF assisted generation and speculant on the same "
+                    "prompts in one process; writes JSON, CSV, a markdown table and plots.")
+    b.add_argument("--target", default="default", help="'default', a model folder, or a .gguf file")
+    b.add_argument("--drafters", type=_list("--drafters", str), default=["ngram"],
+                   help=f"comma list of drafters ({DRAFTER_HELP}); HF generate and speculant none always run")
+    b.add_argument("--gamma", type=_list("--gamma", _gamma), default=[AUTO],
+                   help="γ values, e.g. 1,2,4,8,auto (auto = each drafter's default for now); several = a γ sweep")
+    b.add_argument("--temperature", type=_list("--temperature", _temperature), default=[0.0],
+                   help="temperatures, e.g. 0,0.7,1.0; several = a temperature sweep")
+    b.add_argument("--batch-size", type=_list("--batch-size", _batch), default=[1],
+                   help="batch sizes, e.g. 1,4,16,64 (meant for a GPU); several = a batch sweep")
+    b.add_argument("--max-new-tokens", type=int, default=None, help=f"default 128 (--quick: {QUICK_MAX_NEW_TOKENS})")
+    b.add_argument("--prompts", default=None, help="a .jsonl file, one {\"prompt\": ..., \"category\": ...} a line "
+                                                   "(default: the shipped suite, 7 categories)")
+    b.add_argument("--categories", type=_list("--categories", str), default=None, help="only these categories")
+    b.add_argument("--per-category", type=int, default=None, help="first N prompts of each category")
+    b.add_argument("--repeats", type=int, default=None, help="measured runs of every call (default 1)")
+    b.add_argument("--warmup", type=int, default=1, help="untimed warm-up calls per method and setting (default 1)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
+    b.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
+    b.add_argument("--out", default=None, help="results folder (default: bench-out/<machine>-<date>)")
+    b.add_argument("--quick", action="store_true",
+                   help=f"smoke run: {QUICK_PER_CATEGORY} prompts per category, {QUICK_MAX_NEW_TOKENS} new tokens")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.set_defaults(func=cmd_bench)
+    return b
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower()[:40] or "machine"
+
+
+def cmd_bench(args) -> int:
+    from .methods import MethodRunner
+    from .metrics import mismatches, summarize
+    from .prompts import read_prompts, select_prompts
+    from .report import device_label, machine_info, write_results
+    from .runner import BenchConfig, count_calls, plan, run_benchmark
+
+    max_new = args.max_new_tokens if args.max_new_tokens is not None else (
+        QUICK_MAX_NEW_TOKENS if args.quick else 128)
+    per_category = args.per_category if args.per_category is not None else (QUICK_PER_CATEGORY if args.quick else None)
+    repeats = args.repeats if args.repeats is not None else 1
+    for name, value, low in (("--max-new-tokens", max_new, 1), ("--repeats", repeats, 1), ("--warmup", args.warmup, 0)):
+        if value < low:
+            raise SpeculantError(f"{name} must be >= {low}, got {value}")
+    prompts = select_prompts(read_prompts(args.prompts), args.categories, per_category)
+    config = BenchConfig(
+        target=args.target, drafters=list(dict.fromkeys(args.drafters)), gammas=list(dict.fromkeys(args.gamma)),
+        temperatures=list(dict.fromkeys(args.temperature)), batch_sizes=list(dict.fromkeys(args.batch_size)),
+        max_new_tokens=max_new, repeats=repeats, warmup=args.warmup, seed=args.seed,
+        device=args.device, dtype=args.dtype)
+    plan(config)  # bad drafter specs fail before any model is loaded
+
+    runner = MethodRunner(config.target, config.drafters, config.device, config.dtype)
+    machine = machine_info(runner.device)
+    out_dir = Path(args.out) if args.out else Path("bench-out") / (
+        f"{_slug(device_label(machine))}-{time.strftime('%Y%m%d-%H%M%S')}")
+    total = count_calls(config, prompts, plan(config))
+    print(f"speculant bench: {len(prompts)} prompts, {total} generate calls on {runner.device} "
+          f"-> {out_dir}", file=sys.stderr)
+
+    from tqdm import tqdm
+
+    with tqdm(total=total, desc="bench", unit="call", disable=args.no_progress, file=sys.stderr) as bar:
+        records = run_benchmark(config, prompts, runner, progress=bar.update)
+    summary = summarize(records)
+    files = write_results(out_dir, config, prompts, records, summary, machine)
+    print(files["markdown"].read_text())
+    bad = mismatches(records)
+    for m in bad:
+        print(f"speculant bench: OUTPUT MISMATCH: {m['method']} (γ={m['gamma']}, batch {m['batch_size']}) "
+              f"prompt {m['prompt_id']} [{m['category']}] differs from HF generate at new token "
+              f"{m['first_divergence']}: {m['reference_token']} vs {m['got_token']}", file=sys.stderr)
+    print(f"speculant bench: results in {out_dir}/ ({', '.join(sorted(p.name for p in files.values()))})",
+          file=sys.stderr)
+    return 0

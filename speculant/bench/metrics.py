@@ -1,0 +1,174 @@
+"""Pure aggregation of raw records into the numbers a benchmark reports.
+
+Definitions (per method, setting and category; pooled over prompts and repeats):
+- tokens/s: new tokens / wall-clock seconds of the calls (the harness's clock, same for all methods)
+- speedup: tokens/s over the tokens/s of HF ``generate`` (and of ``speculant none``) at the same
+  temperature, batch size and category, measured in the same run
+- α (acceptance rate): accepted draft tokens / draft tokens
+- τ (mean accepted tokens): new tokens / target forward passes (1 for plain decoding; for HF
+  methods the passes are counted with a forward hook on the target)
+- acceptance by position j: the mean over prompts of each prompt's acceptance at draft position j
+  (prompts that never drafted position j are left out)
+- identical: greedy output equal to HF ``generate``'s (batch 1) token for token, prompt by prompt
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from .methods import HF_GENERATE, SPECULANT_NONE
+
+ALL = "all"
+
+
+def setting_key(rec: dict) -> tuple:
+    return (rec["method"], rec["gamma"], float(rec["temperature"]), int(rec["batch_size"]))
+
+
+def greedy_reference(records: list[dict]) -> dict[int, list[int]]:
+    """prompt id -> HF generate's greedy batch-1 output (first repeat)."""
+    ref: dict[int, list[int]] = {}
+    for rec in records:
+        if rec["method"] == HF_GENERATE and rec["temperature"] == 0 and rec["batch_size"] == 1:
+            for row in rec["rows"]:
+                ref.setdefault(row["prompt_id"], row["token_ids"])
+    return ref
+
+
+def first_divergence(ref: list[int], got: list[int]) -> int | None:
+    """Index of the first differing token (a length difference counts); None if equal."""
+    for i, (a, b) in enumerate(zip(ref, got)):
+        if a != b:
+            return i
+    return None if len(ref) == len(got) else min(len(ref), len(got))
+
+
+def mismatches(records: list[dict]) -> list[dict]:
+    """Every greedy row whose output differs from HF generate's: never averaged away."""
+    ref = greedy_reference(records)
+    out = []
+    for rec in records:
+        if rec["temperature"] != 0:
+            continue
+        for row in rec["rows"]:
+            want = ref.get(row["prompt_id"])
+            if want is None:
+                continue
+            k = first_divergence(want, row["token_ids"])
+            if k is not None:
+                out.append({
+                    "method": rec["method"], "gamma": rec["gamma"], "batch_size": rec["batch_size"],
+                    "repeat": rec.get("repeat"), "prompt_id": row["prompt_id"], "category": row["category"],
+                    "first_divergence": k,
+                    "reference_token": want[k] if k < len(want) else None,
+                    "got_token": row["token_ids"][k] if k < len(row["token_ids"]) else None,
+                })
+    return out
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def acceptance_by_position(rows: list[dict]) -> list[float]:
+    sums, counts = [], []
+    for row in rows:
+        for j, rate in enumerate(row.get("acceptance_by_position") or []):
+            if j >= len(sums):
+                sums.append(0.0)
+                counts.append(0)
+            sums[j] += rate
+            counts[j] += 1
+    return [s / c for s, c in zip(sums, counts)]
+
+
+def _group_metrics(recs: list[dict], rows: list[dict], ref: dict) -> dict:
+    """``rows``: all rows of ``recs``."""
+    tokens = sum(r["new_tokens"] for r in rows)
+    seconds = sum(rec["seconds"] for rec in recs)
+    passes = sum(r["target_forward_passes"] for r in rows if r["target_forward_passes"] is not None)
+    drafted = [r["draft_tokens"] for r in rows if r["draft_tokens"] is not None]
+    accepted = [r["accepted_draft_tokens"] for r in rows if r["accepted_draft_tokens"] is not None]
+    by_repeat: dict[int, list] = defaultdict(lambda: [0, 0.0])
+    for rec in recs:
+        by_repeat[rec.get("repeat", 0)][1] += rec["seconds"]
+        by_repeat[rec.get("repeat", 0)][0] += sum(r["new_tokens"] for r in rec["rows"])
+    tau = _ratio(tokens, passes) if passes else None
+    out = {
+        "prompts": len({r["prompt_id"] for r in rows}),
+        "calls": len(recs),
+        "new_tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_second": _ratio(tokens, seconds),
+        "tokens_per_second_by_repeat": [_ratio(t, s) for _, (t, s) in sorted(by_repeat.items())],
+        "acceptance_rate": _ratio(sum(accepted), sum(drafted)) if drafted and sum(drafted) else None,
+        "mean_accepted_tokens": tau,
+        "target_passes_per_token": _ratio(passes, tokens) if passes else None,
+        "acceptance_by_position": acceptance_by_position(rows) if drafted else [],
+        "peak_memory_bytes": max(rec["peak_memory_bytes"] for rec in recs),
+        "peak_memory_above_start_bytes": max(rec.get("peak_memory_above_start_bytes", 0) for rec in recs),
+    }
+    greedy = all(rec["temperature"] == 0 for rec in recs)
+    compared = [r for r in rows if greedy and r["prompt_id"] in ref]
+    bad = [r for r in compared if first_divergence(ref[r["prompt_id"]], r["token_ids"]) is not None]
+    out["compared"], out["mismatched"] = len(compared), len(bad)
+    if not greedy:
+        out["identical"] = "n/a (sampling)"
+    elif not compared:
+        out["identical"] = "n/a (no reference)"
+    elif bad:
+        out["identical"] = f"NO ({len(bad)} of {len(compared)} differ)"
+    else:
+        out["identical"] = "yes"
+    return out
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """One summary row per (method, γ, temperature, batch size, category), plus category ``all``.
+    Per-category rows only at batch size 1 (a batched call's time is not split by category)."""
+    ref = greedy_reference(records)
+    by_setting: dict[tuple, list[dict]] = defaultdict(list)
+    for rec in records:
+        by_setting[setting_key(rec)].append(rec)
+    summary = []
+    for (method, gamma, temperature, batch), recs in by_setting.items():
+        groups: dict[str, tuple[list, list]] = {ALL: (recs, [r for rec in recs for r in rec["rows"]])}
+        if batch == 1:
+            for rec in recs:
+                cat = rec["rows"][0]["category"]
+                g = groups.setdefault(cat, ([], []))
+                g[0].append(rec)
+                g[1].extend(rec["rows"])
+        for category, (crecs, rows) in groups.items():
+            s = {"method": method, "kind": recs[0]["kind"], "drafter": recs[0]["drafter"], "gamma": gamma,
+                 "gamma_used": recs[0]["gamma_used"], "temperature": temperature, "batch_size": batch,
+                 "category": category}
+            s.update(_group_metrics(crecs, rows, ref))
+            summary.append(s)
+    index = {(s["method"], s["temperature"], s["batch_size"], s["category"]): s for s in summary
+             if s["method"] in (HF_GENERATE, SPECULANT_NONE)}
+    for s in summary:
+        key = (s["temperature"], s["batch_size"], s["category"])
+        hf, none = index.get((HF_GENERATE, *key)), index.get((SPECULANT_NONE, *key))
+        s["speedup_vs_hf_generate"] = _ratio(s["tokens_per_second"], hf and hf["tokens_per_second"])
+        s["speedup_vs_speculant_none"] = _ratio(s["tokens_per_second"], none and none["tokens_per_second"])
+    return summary
+
+
+def find(summary: list[dict], **match) -> list[dict]:
+    return [s for s in summary if all(s.get(k) == v for k, v in match.items())]
+
+
+def sweep_series(summary: list[dict], axis: str, values: list, fixed: dict, methods: list[str]) -> dict:
+    """{method: [summary row or None for each value of ``axis``]} at category ``all``.
+    A method without a drafter matches any γ (its γ is None)."""
+    out = {}
+    for m in methods:
+        series = []
+        for v in values:
+            want = dict(fixed, method=m, category=ALL, **{axis: v})
+            hits = [s for s in summary if all(
+                s.get(k) == val or (k == "gamma" and s["gamma"] is None) for k, val in want.items())]
+            series.append(hits[0] if hits else None)
+        if any(series):
+            out[m] = series
+    return out
