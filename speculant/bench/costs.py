@@ -155,13 +155,14 @@ def hf_ms_per_token(model, prompt, n, device, **kw) -> float:
     return per_token_ms(run, device, n)
 
 
-def shape_costs(shape, device, dtype, bandwidth, n=64, prompt_len=128, log=print) -> dict:
+def shape_costs(shape, device, dtype, bandwidth, n=64, prompt_len=128, log=print, compile=False) -> dict:
     model = random_llama(shape, device, dtype)
     vocab = model.config.vocab_size
-    backend = Backend(model, "fast")
+    backend = Backend(model, "fast", compile=compile)
     prompt = torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(1)).tolist()
     wbytes = weight_bytes(model)
-    row = {"shape": shape, "weights_bytes": wbytes, "floor_ms_per_token": wbytes / (bandwidth * 1e9) * 1e3,
+    row = {"shape": shape, "backend": backend.name, "weights_bytes": wbytes,
+           "floor_ms_per_token": wbytes / (bandwidth * 1e9) * 1e3,
            "note": "random weights: cost structure only, acceptance meaningless"}
     row["ours_plain_ms_per_token"] = per_token_ms(
         lambda k: run_engine(model, NoDrafter(), backend, prompt, k, 1), device, n)
@@ -189,10 +190,22 @@ def shape_costs(shape, device, dtype, bandwidth, n=64, prompt_len=128, log=print
     return row, model, backend, prompt
 
 
-def speculative_costs(target, t_backend, drafter_model, prompt, device, n=64, alpha=0.8, gamma=5, log=print) -> dict:
+def as_bigram_model(model) -> None:
+    """Zero the residual-branch outputs (o_proj, down_proj): the model's next token then depends on the
+    current token alone, with logit gaps far above bf16 noise, so an oracle can know the target's greedy
+    choice even when verification runs at another width. Dense kernels cost the same on zeros' bytes."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+
+
+def speculative_costs(target, t_backend, drafter_model, prompt, device, n=64, alpha=0.8, gamma=5, log=print,
+                      compile=False) -> dict:
     vocab = target.config.vocab_size
+    as_bigram_model(target)
     ref = run_engine(target, NoDrafter(), t_backend, prompt, n + gamma + 2, 1).tokens
-    d_backend = Backend(drafter_model, "fast")
+    d_backend = Backend(drafter_model, "fast", compile=compile)
     d_state = d_backend.new_state(1, len(prompt) + 64)
     d_state.append(torch.tensor([prompt], device=device))
     base = d_state.lengths()
@@ -214,7 +227,8 @@ def speculative_costs(target, t_backend, drafter_model, prompt, device, n=64, al
     out.update({"oracle_alpha": alpha, "gamma": gamma, "measured_acceptance": r.stats.acceptance_rate,
                 "measured_tau": r.stats.mean_accepted_tokens,
                 "speculative_ms_per_token": timed(lambda: oracle(n), device, repeats=3, warmup=1) / n,
-                "label": f"oracle drafter α={alpha} (target's own tokens, corrupted), real draft model's cost paid"})
+                "label": f"oracle drafter α={alpha} (target's own tokens, corrupted), real draft model's cost paid; "
+                         "target's residual outputs zeroed so its greedy choice is stable (same cost)"})
     if device.type == "cuda":
         out["peak_gpu_bytes_target_drafter_caches"] = torch.cuda.max_memory_allocated()
     # the same pair with the real draft model's proposals, ours vs Hugging Face assisted generation
@@ -243,7 +257,7 @@ def bench_prompts(per_category: int) -> list[tuple[str, str]]:
     return out
 
 
-def end_to_end(target_spec: str, device, dtype, n=128, per_category=2, gamma=5, log=print) -> dict:
+def end_to_end(target_spec: str, device, dtype, n=128, per_category=2, gamma=5, log=print, compile=False) -> dict:
     """A real target: HF generate / HF prompt lookup vs speculant none / ngram (fast path), same prompts."""
     from ..api import Generator
     from ..models.loading import load_model
@@ -254,8 +268,8 @@ def end_to_end(target_spec: str, device, dtype, n=128, per_category=2, gamma=5, 
     methods = {
         "hf_generate": None,
         "hf_prompt_lookup": None,
-        "speculant_none": Generator(lm, NoDrafter(), 1, path="fast"),
-        "speculant_ngram": Generator(lm, NgramDrafter(), gamma, path="fast"),
+        "speculant_none": Generator(lm, NoDrafter(), 1, path="fast", compile=compile),
+        "speculant_ngram": Generator(lm, NgramDrafter(), gamma, path="fast", compile=compile),
     }
     ids = [Generator(lm, NoDrafter(), 1).encode(p) for _, p in prompts]
     records = []
@@ -285,16 +299,24 @@ def end_to_end(target_spec: str, device, dtype, n=128, per_category=2, gamma=5, 
             if name == "hf_generate":
                 ref = toks
             k = next((i for i, (a, b) in enumerate(zip(ref, toks)) if a != b), None)
+            gap = None
+            if k is not None:  # the reference's logit gap between its token and ours: a near-tie?
+                with torch.no_grad():
+                    logits = model(torch.tensor([x + ref[:k]], device=device)).logits[0, -1].float()
+                gap = float(logits[ref[k]] - logits[toks[k]])
             records.append({"category": cat, "method": name, "tokens": len(toks), "seconds": sec,
                             "tokens_per_second": len(toks) / sec, "identical_to_hf": toks == ref,
-                            "first_mismatch": k, "acceptance_rate": stats.get("acceptance_rate"),
+                            "first_mismatch": k, "logit_gap_at_mismatch": gap,
+                            "acceptance_rate": stats.get("acceptance_rate"),
                             "mean_accepted_tokens": stats.get("mean_accepted_tokens")})
     summary = {}
     for name in methods:
         rs = [r for r in records if r["method"] == name]
         toks, sec = sum(r["tokens"] for r in rs), sum(r["seconds"] for r in rs)
+        gaps = [r["logit_gap_at_mismatch"] for r in rs if r["logit_gap_at_mismatch"] is not None]
         summary[name] = {"tokens_per_second": toks / sec, "ms_per_token": sec / toks * 1e3,
-                         "identical": sum(r["identical_to_hf"] for r in rs), "prompts": len(rs)}
+                         "identical": sum(r["identical_to_hf"] for r in rs), "prompts": len(rs),
+                         "max_logit_gap_at_mismatch": max(gaps) if gaps else None}
         acc = [r["mean_accepted_tokens"] for r in rs if r["mean_accepted_tokens"] is not None]
         if acc:
             summary[name]["mean_tau"] = sum(acc) / len(acc)
@@ -302,7 +324,8 @@ def end_to_end(target_spec: str, device, dtype, n=128, per_category=2, gamma=5, 
     for name in methods:
         summary[name]["speedup_vs_hf_generate"] = summary[name]["tokens_per_second"] / base
         log(f"  e2e {name:18s} {summary[name]['tokens_per_second']:8.1f} tok/s  x{summary[name]['speedup_vs_hf_generate']:.2f}"
-            f"  identical {summary[name]['identical']}/{summary[name]['prompts']}")
+            f"  identical {summary[name]['identical']}/{summary[name]['prompts']}"
+            f"  max gap at mismatch {summary[name]['max_logit_gap_at_mismatch']}")
     return {"target": target_spec, "weights_bytes": weight_bytes(model), "max_new_tokens": n, "gamma": gamma,
             "summary": summary, "records": records}
 
@@ -326,8 +349,10 @@ def main(argv=None) -> int:
     ap.add_argument("--target-shape", default="llama-8b")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--out", default="bench-out/costs")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the fast path's decoder layer")
     ap.add_argument("--e2e", default=None, help="a real target (e.g. default or a .gguf) for end-to-end rows")
     ap.add_argument("--e2e-per-category", type=int, default=2)
+    ap.add_argument("--e2e-tokens", type=int, default=128)
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
@@ -338,16 +363,18 @@ def main(argv=None) -> int:
     print(f"copy bandwidth {bw:.0f} GB/s (read + write)", flush=True)
     rows, models = [], {}
     for shape in filter(None, args.shapes.split(",")):
-        row, model, backend, prompt = shape_costs(shape, device, dtype, bw, n=args.tokens)
+        row, model, backend, prompt = shape_costs(shape, device, dtype, bw, n=args.tokens, compile=args.compile)
         rows.append(row)
         models[shape] = (model, backend, prompt)
     result["shapes"] = rows
     if args.target_shape in models and args.drafter_shape in models:
         target, t_backend, prompt = models[args.target_shape]
         result["speculative"] = speculative_costs(target, t_backend, models[args.drafter_shape][0], prompt, device,
-                                                  n=args.tokens)
+                                                  n=args.tokens, compile=args.compile)
     if args.e2e:
-        result["end_to_end"] = e2e = end_to_end(args.e2e, device, dtype, per_category=args.e2e_per_category)
+        result["end_to_end"] = e2e = end_to_end(args.e2e, device, dtype, n=args.e2e_tokens,
+                                                per_category=args.e2e_per_category,
+                                                compile=args.compile)
         e2e["floor_ms_per_token"] = e2e["weights_bytes"] / (bw * 1e9) * 1e3
     (out / "costs.json").write_text(json.dumps(result, indent=2))
     plot_costs(result, out)

@@ -29,19 +29,16 @@ class Backend:
         want_fast = path == "fast" or (path == "auto" and device.type == "cuda")
         if want_fast and not ok and not quiet:
             print(f"speculant: {why}; using the general path", file=sys.stderr)
-        self.fast = FastLlama(model) if want_fast and ok else None
+        self.fast = FastLlama(model, compile=compile) if want_fast and ok else None
         self.step = None
         self.name = "general"
         self.caches: dict[tuple[int, int], tuple[list, list]] = {}
         if self.fast is not None:
-            self.name = "fast"
-            if compile:
-                self.step = torch.compile(self.fast.forward, dynamic=False)
-                self.name += "+compiled"
+            self.name = "fast+compiled" if compile else "fast"
             if device.type == "cuda" and (graphs is None or graphs):
                 from .cuda_graphs import GraphedForward
 
-                self.step = GraphedForward(self.step or self.fast.forward)
+                self.step = GraphedForward(self.fast.forward)
                 self.name += "+cudagraphs"
 
     def new_state(self, batch: int, max_tokens: int):

@@ -11,9 +11,10 @@ import torch
 
 
 class GraphedForward:
-    def __init__(self, forward, warmup: int = 2):
+    def __init__(self, forward, warmup: int = 2, max_width: int = 32):
         self.forward = forward
         self.warmup = warmup
+        self.max_width = max_width  # wider blocks (prefill) are compute-bound: run them eagerly
         self.graphs: dict[tuple, tuple] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
@@ -33,6 +34,8 @@ class GraphedForward:
         return self.graphs[key]
 
     def __call__(self, tokens, positions, write_at, keys, values, last_only=False):
+        if tokens.shape[1] > self.max_width:
+            return self.forward(tokens, positions, write_at, keys, values, last_only)
         key = (tuple(t.data_ptr() for t in keys + values), tuple(tokens.shape), last_only)
         entry = self.graphs.get(key)
         if entry is None:

@@ -46,10 +46,31 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def decoder_layer(h, cos, sin, mask, idx, k_cache, v_cache, w: dict, n_heads: int, n_kv: int, head_dim: int,
+                  eps: float, scaling: float):
+    """One Llama decoder layer over a block of w tokens, writing its K/V into the static cache.
+
+    A pure function of tensors (weights passed in), so ``torch.compile`` compiles it once and every
+    layer reuses the same kernels: compile time does not grow with depth."""
+    B, T, _ = h.shape
+    x = _rms_norm(h, w["ln1"], eps)
+    q = F.linear(x, w["q"], w.get("q_bias")).view(B, T, n_heads, head_dim).transpose(1, 2)
+    k = F.linear(x, w["k"], w.get("k_bias")).view(B, T, n_kv, head_dim).transpose(1, 2)
+    v = F.linear(x, w["v"], w.get("v_bias")).view(B, T, n_kv, head_dim).transpose(1, 2)
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    k_cache.scatter_(2, idx, k)
+    v_cache.scatter_(2, idx, v)
+    o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, scale=scaling, enable_gqa=n_kv != n_heads)
+    h = h + F.linear(o.transpose(1, 2).reshape(B, T, -1), w["o"])
+    x = _rms_norm(h, w["ln2"], eps)
+    return h + F.linear(F.silu(F.linear(x, w["gate"])) * F.linear(x, w["up"]), w["down"])
+
+
 class FastLlama:
     """A functional view of a transformers Llama-family CausalLM: shares its weights, no copies."""
 
-    def __init__(self, hf_model: torch.nn.Module):
+    def __init__(self, hf_model: torch.nn.Module, compile: bool = False):
         cfg = hf_model.config
         inner = hf_model.model
         self.hf_model = hf_model
@@ -59,14 +80,25 @@ class FastLlama:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.eps = cfg.rms_norm_eps
         self.embed = inner.embed_tokens
-        self.layers = inner.layers
+        self.weights = []
+        for layer in inner.layers:
+            a, m = layer.self_attn, layer.mlp
+            w = {"ln1": layer.input_layernorm.weight, "q": a.q_proj.weight, "k": a.k_proj.weight,
+                 "v": a.v_proj.weight, "o": a.o_proj.weight, "ln2": layer.post_attention_layernorm.weight,
+                 "gate": m.gate_proj.weight, "up": m.up_proj.weight, "down": m.down_proj.weight}
+            for name in ("q", "k", "v"):  # Qwen2 has q/k/v biases
+                bias = getattr(a, f"{name}_proj").bias
+                if bias is not None:
+                    w[f"{name}_bias"] = bias
+            self.weights.append(w)
         self.norm = inner.norm
         self.lm_head = hf_model.get_output_embeddings()
         self.inv_freq = inner.rotary_emb.inv_freq
         self.rope_scale = float(getattr(inner.rotary_emb, "attention_scaling", 1.0))
-        self.scaling = self.layers[0].self_attn.scaling
+        self.scaling = inner.layers[0].self_attn.scaling
         p = next(hf_model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        self.layer_fn = torch.compile(decoder_layer, dynamic=True) if compile else decoder_layer
 
     def new_cache(self, batch: int, size: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         shape = (batch, self.n_kv, size, self.head_dim)
@@ -86,23 +118,9 @@ class FastLlama:
         sin = (emb.sin() * self.rope_scale).to(h.dtype)[:, None]
         mask = torch.arange(S, device=tokens.device)[None, None, None, :] <= positions[:, None, :, None]
         idx = write_at[:, None, :, None].expand(B, self.n_kv, w, self.head_dim)
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            x = _rms_norm(h, layer.input_layernorm.weight, self.eps)
-            q = attn.q_proj(x).view(B, w, self.n_heads, self.head_dim).transpose(1, 2)
-            k = attn.k_proj(x).view(B, w, self.n_kv, self.head_dim).transpose(1, 2)
-            v = attn.v_proj(x).view(B, w, self.n_kv, self.head_dim).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            keys[i].scatter_(2, idx, k)
-            values[i].scatter_(2, idx, v)
-            o = F.scaled_dot_product_attention(
-                q, keys[i], values[i], attn_mask=mask, scale=self.scaling, enable_gqa=self.n_kv != self.n_heads
-            )
-            h = h + attn.o_proj(o.transpose(1, 2).reshape(B, w, -1))
-            x = _rms_norm(h, layer.post_attention_layernorm.weight, self.eps)
-            mlp = layer.mlp
-            h = h + mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+        for i, weights in enumerate(self.weights):
+            h = self.layer_fn(h, cos, sin, mask, idx, keys[i], values[i], weights, self.n_heads, self.n_kv,
+                              self.head_dim, self.eps, self.scaling)
         if last_only:
             h = h[:, -1:]
         return self.lm_head(_rms_norm(h, self.norm.weight, self.eps))
