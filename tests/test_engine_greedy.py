@@ -135,3 +135,15 @@ def test_model_drafter_cache_rolls_back_to_accepted_text(path):
             k, v = drafter.state.valid_kv(i, 1)
             torch.testing.assert_close(k, fresh.layers[1].keys[0], atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(v, fresh.layers[1].values[0], atol=1e-5, rtol=1e-4)
+
+
+def test_ngram_proposes_full_periods_on_repetitive_text():
+    from speculant.drafters.base import DraftContext
+    from speculant.sampling import LogitsProcessing, SamplingParams
+
+    d = NgramDrafter()
+    d.start(DraftContext([[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6, 7]], LogitsProcessing(SamplingParams()), None,
+                         torch.device("cpu"), 96))
+    prop = d.propose(7)
+    assert prop.tokens[0].tolist() == [3, 1, 2, 3, 1, 2, 3]  # the period continues past the text's end
+    assert prop.lengths.tolist() == [7, 0]  # nothing repeats in row 1: no proposal

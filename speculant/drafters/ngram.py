@@ -37,14 +37,26 @@ class NgramDrafter(Drafter):
                     index[tuple(text[k - n : k])] = k
             text.append(tok)
 
+    def _match(self, row: int, tail: list[int]) -> int | None:
+        """Where the longest n-gram ending ``tail`` last continued (an index into the row's text)."""
+        index = self.index[row]
+        for n in range(min(self.max_ngram, len(tail)), self.min_ngram - 1, -1):
+            at = index.get(tuple(tail[-n:]))
+            if at is not None:
+                return at
+        return None
+
     def _lookup(self, row: int, gamma: int) -> list[int]:
-        text, index = self.texts[row], self.index[row]
-        for n in range(self.max_ngram, self.min_ngram - 1, -1):
-            if len(text) >= n:
-                at = index.get(tuple(text[-n:]))
-                if at is not None:
-                    return text[at : at + gamma]
-        return []
+        """Copy what followed the latest match; when that runs into the end of the text (a repeating
+        pattern's latest occurrence is right behind us), look up again from the extended text, so a
+        period repeats itself instead of the proposal stopping short."""
+        text, out = self.texts[row], []
+        while len(out) < gamma:
+            at = self._match(row, (text[-self.max_ngram :] + out)[-self.max_ngram :])
+            if at is None:
+                break
+            out.extend(text[at : at + gamma - len(out)])
+        return out
 
     def propose(self, gamma: int) -> Proposal:
         found = [self._lookup(row, gamma) for row in range(len(self.texts))]
