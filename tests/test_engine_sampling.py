@@ -14,7 +14,7 @@ from scipy.stats import chi2
 
 import speculant
 from speculant.drafters import ModelDrafter, NgramDrafter, NoDrafter
-from speculant.sampling import LogitsProcessing, SamplingParams, block_presence
+from speculant.sampling import LogitsProcessing, SamplingParams, TokenHistory
 from helpers import tiny_llama
 
 V, NEW, N = 4, 4, 24_000
@@ -33,10 +33,9 @@ def exact_distribution(model, params):
     x = torch.cat([torch.tensor(PROMPT).expand(len(seqs), -1), seqs], 1)
     with torch.no_grad():
         logits = model(x).logits[:, len(PROMPT) - 1 : -1]
-    seen = torch.zeros(len(seqs), V, dtype=torch.bool)
-    seen[:, PROMPT] = True
-    presence = block_presence(seen, seqs[:, :-1]) if params.uses_context else None
-    probs = LogitsProcessing(params).probs(logits, presence)
+    history = TokenHistory([PROMPT] * len(seqs), V, "cpu", params)
+    context = history.block(seqs[:, :-1])  # position t has seen the prompt and seqs[:, :t]
+    probs = LogitsProcessing(params).probs(logits, context)
     return probs.gather(2, seqs[..., None]).squeeze(2).prod(1).double()
 
 
