@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32 on CPU, bfloat16 on GPU)")
     g.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="constrain the output to JSON matching this schema file ('{}': any JSON object); "
+                        "needs lm-format-enforcer")
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="with --json: each token's logprob under the target and the top N alternatives")
 
@@ -89,6 +92,18 @@ def _stats_line(stats: dict) -> str:
     )
 
 
+def _read_schema(spec: str):
+    if spec.strip() == "{}":
+        return None
+    try:
+        with open(spec) as f:
+            return json.load(f)
+    except OSError as e:
+        raise SpeculantError(f"cannot read the JSON schema file {spec!r} ({e.strerror}): give a readable file") from None
+    except json.JSONDecodeError as e:
+        raise SpeculantError(f"the JSON schema file {spec!r} is not valid JSON (line {e.lineno}): fix it") from None
+
+
 def cmd_generate(args) -> int:
     from .api import load
     from .sampling import SamplingParams
@@ -107,7 +122,12 @@ def cmd_generate(args) -> int:
         raise SpeculantError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if not args.prompt.strip():
         raise SpeculantError("the prompt is empty: give some text to continue")
+    schema = _read_schema(args.json_schema) if args.json_schema is not None else None
     gen = load(args.target, drafter=args.drafter, gamma=args.gamma, device=args.device, dtype=args.dtype)
+    if args.json_schema is not None:
+        from .constrain import json_schema_processor
+
+        sampling["logits_processors"] = [json_schema_processor(gen.tokenizer, schema, gen.target.eos_token_ids)]
     chat = not args.no_chat_template
     kwargs = dict(max_new_tokens=args.max_new_tokens, seed=args.seed, stop=args.stop, chat_template=chat, **sampling)
     prompt_ids = gen.encode(args.prompt, chat)

@@ -31,9 +31,19 @@ def allowed_tokens_processor(allowed: Callable[[list[int]], list[int]]):
     return process
 
 
+_TOKENIZER_DATA: dict = {}  # (id(tokenizer), eos) -> (tokenizer, data): building it decodes the whole vocabulary
+
+
 def _tokenizer_data(tokenizer, eos_token_ids):
     """lm-format-enforcer's view of a tokenizer (its own transformers integration imports a module
     transformers 5 removed, so this is that function, rebuilt on the public tokenizer API)."""
+    key = (id(tokenizer), tuple(sorted(eos_token_ids or ())))
+    if key not in _TOKENIZER_DATA:
+        _TOKENIZER_DATA[key] = (tokenizer, _build_tokenizer_data(tokenizer, eos_token_ids))
+    return _TOKENIZER_DATA[key][1]
+
+
+def _build_tokenizer_data(tokenizer, eos_token_ids):
     from lmformatenforcer import TokenEnforcerTokenizerData
 
     special = set(tokenizer.all_special_ids)
