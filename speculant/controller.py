@@ -9,8 +9,8 @@ and costs t_draft(γ) + t_verify(k). ``choose_gamma`` maximises τ / cost; γ = 
 α per draft position (a Beta prior, discounted so it follows the text), the drafter's seconds per
 draft token, and the target's seconds per verify pass as a function of the tokens it processes
 (batch × k), interpolated linearly between measured widths. Rows that do not pay get draft length 0
-and are re-tried with a small γ every ``retry_every`` passes, so a request whose text turns
-repetitive later gets speculation back.
+and are re-tried with γ = 1 after ``retry_every`` passes (the wait doubles, up to 8×, while retries
+fail), so a request whose text turns repetitive later gets speculation back.
 """
 from __future__ import annotations
 
@@ -139,10 +139,12 @@ class GammaController:
 
     EXPLORE = (2, 0, 4)  # the first passes measure costs at a few widths before trusting the model
 
-    def __init__(self, rows: int, gamma_max: int = 8, retry_every: int = 16, retry_gamma: int = 2):
+    def __init__(self, rows: int, gamma_max: int = 8, retry_every: int = 16, retry_gamma: int = 1):
         self.gamma_max, self.retry_every, self.retry_gamma = gamma_max, retry_every, retry_gamma
         self.alphas = [RowAlpha() for _ in range(rows)]
         self.off_for = [0] * rows  # passes each row has gone without drafting
+        self.wait = [retry_every] * rows  # passes until a row that is off is re-tried; doubles while retries fail
+        self.on = [True] * rows
         self.verify = VerifyTimes()
         self.draft_per_token: float | None = None
         self.passes = 0
@@ -152,6 +154,8 @@ class GammaController:
         """Only these batch slots go on."""
         self.alphas = [self.alphas[i] for i in keep]
         self.off_for = [self.off_for[i] for i in keep]
+        self.wait = [self.wait[i] for i in keep]
+        self.on = [self.on[i] for i in keep]
 
     def costs(self, batch: int) -> StaticCosts:
         per_token = self.draft_per_token if self.draft_per_token is not None else 0.0
@@ -165,7 +169,13 @@ class GammaController:
             return g, [g] * len(self.alphas)
         profiles = [a.profile(cap) for a in self.alphas]
         gamma, on = choose_batch_gamma(profiles, self.costs(len(self.alphas)), cap)
-        retry = [not row_on and off + 1 >= self.retry_every for row_on, off in zip(on, self.off_for)]
+        for row, row_on in enumerate(on):
+            if row_on:
+                self.wait[row] = self.retry_every
+            elif self.on[row] is False and self.off_for[row] == 0:  # the last pass was a retry, and it failed
+                self.wait[row] = min(8 * self.retry_every, 2 * self.wait[row])
+        self.on = on
+        retry = [not row_on and off + 1 >= wait for row_on, off, wait in zip(on, self.off_for, self.wait)]
         if any(retry) and gamma == 0:
             gamma = min(self.retry_gamma, cap)
         return gamma, [gamma if (row_on or r) else 0 for row_on, r in zip(on, retry)]

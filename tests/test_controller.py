@@ -102,3 +102,15 @@ def test_controller_shrinking_batch_keeps_row_estimates():
     ctl.alphas[2].observe(4, 4)
     ctl.select([2])
     assert len(ctl.alphas) == 1 and ctl.alphas[0].accepted[0] == 1.0
+
+
+def test_failed_retries_back_off():
+    ctl = GammaController(rows=1, gamma_max=8, retry_every=16)
+    chosen = []
+    for _ in range(400):
+        g, caps = ctl.choose(room=50)
+        chosen.append(g)
+        ctl.observe(g, max(caps) + 1, caps, [0], draft_seconds=0.3 * g, verify_seconds=1.0 + 0.05 * (max(caps) + 1))
+    late = [g for g in chosen[200:] if g > 0]
+    assert 1 <= len(late) <= 200 // 64, late  # waits grew from 16 to 128 passes
+    assert all(g == 1 for g in late)
