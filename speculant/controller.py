@@ -137,7 +137,7 @@ class RowAlpha:
 class GammaController:
     """Chooses γ each pass of one request and learns from what the pass did."""
 
-    EXPLORE = (2, 0, 4)  # the first passes measure costs at a few widths before trusting the model
+    EXPLORE = (0, 1, 2)  # the first passes measure costs at a few (cheap) widths before trusting the model
 
     def __init__(self, rows: int, gamma_max: int = 8, retry_every: int = 16, retry_gamma: int = 1):
         self.gamma_max, self.retry_every, self.retry_gamma = gamma_max, retry_every, retry_gamma
