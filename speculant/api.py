@@ -13,7 +13,7 @@ from .models.backend import PATHS, Backend
 from .models.loading import LoadedModel, load_model
 from .sampling import SamplingParams
 
-DEFAULT_GAMMA = {"none": 0, "ngram": 5, "model": 4}
+GAMMA_AUTO = "auto"  # the default: chosen each pass from measured acceptance and costs (controller.py)
 DEFAULT_DRAFTER = "ngram"  # for the default target, until a trained drafter ships
 
 
@@ -24,12 +24,21 @@ class Output:
     prompt_token_ids: list[int]  # exactly what the target saw
     finish_reason: str | None
     stats: dict
+    logprobs: list[dict] | None = None  # per token: {"token", "logprob", "top": [[id, logprob], ...]}
 
 
-def check_gamma(gamma) -> int:
+def check_gamma(gamma) -> int | str:
+    if gamma == GAMMA_AUTO:
+        return gamma
     if not isinstance(gamma, int) or isinstance(gamma, bool) or gamma <= 0:
-        raise SpeculantError(f"gamma (draft tokens per pass) must be an integer >= 1, got {gamma!r}")
+        raise SpeculantError(f"gamma (draft tokens per pass) must be 'auto' or an integer >= 1, got {gamma!r}")
     return gamma
+
+
+def check_logprobs(n) -> int | None:
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+        raise SpeculantError(f"logprobs (alternatives per token) must be an integer >= 0, got {n!r}")
+    return n
 
 
 def _stop_checker(tokenizer, stop: Sequence[str] | None) -> Callable | None:
@@ -60,12 +69,11 @@ def _cut_at_stop(text: str, stop: Sequence[str] | None) -> str:
 class Generator:
     """A target model with a drafter, ready to generate."""
 
-    def __init__(self, target: LoadedModel, drafter: Drafter, gamma: int | None = None, path: str = "auto",
+    def __init__(self, target: LoadedModel, drafter: Drafter, gamma: int | str | None = None, path: str = "auto",
                  compile: bool = False):
         self.target = target
         self.drafter = drafter
-        kind = drafter.name if drafter.name in DEFAULT_GAMMA else "model"
-        self.gamma = check_gamma(gamma) if gamma is not None else max(1, DEFAULT_GAMMA[kind])
+        self.gamma = check_gamma(gamma) if gamma is not None else GAMMA_AUTO
         if isinstance(drafter, ModelDrafter):  # the drafter takes the target's path
             drafter.backend = Backend(drafter.model, path, compile)
         self.backend = Backend(target.model, path, compile)
@@ -87,6 +95,7 @@ class Generator:
         return list(ids)
 
     def _request(self, prompt_ids, max_new_tokens, gamma, seed, stop, sampling) -> Request:
+        logprobs = check_logprobs(sampling.pop("logprobs", None))
         params = SamplingParams(**sampling)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise SpeculantError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -101,7 +110,7 @@ class Generator:
         g = self.gamma if gamma is None else check_gamma(gamma)
         if self.drafter.name == "none":
             g = 0
-        return Request(prompt_ids, params, max_new_tokens, g, seed, _stop_checker(self.tokenizer, stop))
+        return Request(prompt_ids, params, max_new_tokens, g, seed, _stop_checker(self.tokenizer, stop), logprobs)
 
     def stream_ids(self, prompt_ids: list[list[int]], max_new_tokens=128, gamma=None, seed=None, stop=None, **sampling):
         """Yields (row, new token ids) as accepted; the generator's return value is the list of Rows."""
@@ -115,7 +124,7 @@ class Generator:
         outs = []
         for r in rows:
             text = _cut_at_stop(self.decode(r.tokens), stop)
-            outs.append(Output(text, r.tokens, r.prompt, r.finish_reason, r.stats.to_dict()))
+            outs.append(Output(text, r.tokens, r.prompt, r.finish_reason, r.stats.to_dict(), r.logprobs))
         return outs
 
     def generate_ids(self, prompt_ids: list[list[int]], max_new_tokens=128, gamma=None, seed=None, stop=None, **sampling):
@@ -170,7 +179,7 @@ class Generator:
                 shown = text
 
 
-def load(target: str = "default", drafter: str | Drafter | None = None, gamma: int | None = None,
+def load(target: str = "default", drafter: str | Drafter | None = None, gamma: int | str | None = None,
          device: str | None = None, dtype: str | None = None, path: str = "auto", compile: bool = False) -> Generator:
     """Load a target ("default" | model folder | .gguf) and a drafter ("none" | "ngram" | "model:PATH").
 
@@ -188,7 +197,7 @@ def load(target: str = "default", drafter: str | Drafter | None = None, gamma: i
 
 
 def generate(model: torch.nn.Module, input_ids, drafter: str | Drafter | torch.nn.Module = "ngram",
-             gamma: int | None = None, max_new_tokens: int = 128, seed: int | None = None,
+             gamma: int | str | None = None, max_new_tokens: int = 128, seed: int | None = None,
              tokenizer=None, path: str = "auto", compile: bool = False, **sampling):
     """Speculative generation for a transformers model already in memory.
 

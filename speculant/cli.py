@@ -12,11 +12,22 @@ from .errors import SpeculantError
 
 
 def _gamma_arg(value: str):
+    if value == "auto":
+        return value
     try:
         g = int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"gamma must be an integer >= 1, got {value!r}") from None
+        raise argparse.ArgumentTypeError(f"gamma must be 'auto' or an integer >= 1, got {value!r}") from None
     return g
+
+
+def _logit_bias_arg(value: str):
+    """TOKEN_ID:BIAS, e.g. 1234:-100."""
+    try:
+        tok, bias = value.split(":")
+        return int(tok), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"logit bias must look like TOKEN_ID:BIAS (e.g. 1234:-100), got {value!r}") from None
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -24,7 +35,19 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="HF style, over prompt + output (1 = off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI style, over the output only (0 = off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI style, over the output only (0 = off)")
+    p.add_argument("--logit-bias", type=_logit_bias_arg, action="append", default=None, metavar="TOKEN_ID:BIAS",
+                   help="add BIAS to a token's logit (repeatable)")
+
+
+def sampling_from_args(args) -> dict:
+    return dict(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, logit_bias=dict(args.logit_bias) if args.logit_bias else None,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt")
     g.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct), a model folder, or a .gguf file")
     g.add_argument("--drafter", default=None, help=f"{DRAFTER_HELP}; default: ngram")
-    g.add_argument("--gamma", type=_gamma_arg, default=None, help="draft tokens per target pass (default: per drafter)")
+    g.add_argument("--gamma", type=_gamma_arg, default=None, help="draft tokens per target pass, or 'auto' (default: chosen each pass from measured acceptance and costs)")
     g.add_argument("--max-new-tokens", type=int, default=128)
     add_sampling_args(g)
     g.add_argument("--seed", type=int, default=None)
@@ -49,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compile", action="store_true", help="torch.compile the fast path (slow to start, faster after)")
     g.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="constrain the output to JSON matching this schema file ('{}': any JSON object); "
+                        "needs lm-format-enforcer")
+    g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="with --json: each token's logprob under the target and the top N alternatives")
 
     try:
         from .bench.cli import add_bench_parser
@@ -61,29 +89,49 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _stats_line(stats: dict) -> str:
     return (
-        f"[{stats['drafter']} γ={stats['gamma']}] α={stats['acceptance_rate']:.2f} "
+        f"[{stats['drafter']} γ={stats['gamma']} (mean {stats['mean_gamma']:.1f})] α={stats['acceptance_rate']:.2f} "
         f"τ={stats['mean_accepted_tokens']:.2f} tokens/target pass, "
         f"{stats['new_tokens']} tokens at {stats['tokens_per_second']:.1f} tok/s"
     )
+
+
+def _read_schema(spec: str):
+    if spec.strip() == "{}":
+        return None
+    try:
+        with open(spec) as f:
+            return json.load(f)
+    except OSError as e:
+        raise SpeculantError(f"cannot read the JSON schema file {spec!r} ({e.strerror}): give a readable file") from None
+    except json.JSONDecodeError as e:
+        raise SpeculantError(f"the JSON schema file {spec!r} is not valid JSON (line {e.lineno}): fix it") from None
 
 
 def cmd_generate(args) -> int:
     from .api import load
     from .sampling import SamplingParams
 
-    sampling = dict(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-    )
+    sampling = sampling_from_args(args)
     SamplingParams(**sampling)  # bad values fail before any model work
-    if args.gamma is not None and args.gamma <= 0:
-        raise SpeculantError(f"--gamma must be an integer >= 1, got {args.gamma}")
+    if args.gamma is not None and args.gamma != "auto" and args.gamma <= 0:
+        raise SpeculantError(f"--gamma must be 'auto' or an integer >= 1, got {args.gamma}")
+    if args.logprobs is not None:
+        if args.logprobs < 0:
+            raise SpeculantError(f"--logprobs must be an integer >= 0, got {args.logprobs}")
+        if not args.json:
+            raise SpeculantError("--logprobs needs --json (the logprobs are printed in the JSON output)")
+        sampling["logprobs"] = args.logprobs
     if args.max_new_tokens < 1:
         raise SpeculantError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if not args.prompt.strip():
         raise SpeculantError("the prompt is empty: give some text to continue")
+    schema = _read_schema(args.json_schema) if args.json_schema is not None else None
     gen = load(args.target, drafter=args.drafter, gamma=args.gamma, device=args.device, dtype=args.dtype,
                path=args.path, compile=args.compile)
+    if args.json_schema is not None:
+        from .constrain import json_schema_processor
+
+        sampling["logits_processors"] = [json_schema_processor(gen.tokenizer, schema, gen.target.eos_token_ids)]
     chat = not args.no_chat_template
     kwargs = dict(max_new_tokens=args.max_new_tokens, seed=args.seed, stop=args.stop, chat_template=chat, **sampling)
     prompt_ids = gen.encode(args.prompt, chat)
@@ -104,6 +152,7 @@ def cmd_generate(args) -> int:
             "token_ids": out.token_ids,
             "finish_reason": out.finish_reason,
             "stats": out.stats,
+            **({"logprobs": out.logprobs} if out.logprobs is not None else {}),
         }))
         return 0
 

@@ -14,9 +14,11 @@ from typing import Iterator
 import torch
 
 from .drafters.base import DraftContext, Drafter
-from .drafters.model import left_pad, presence_of
+from .controller import GammaController
+from .drafters.base import Proposal
+from .drafters.model import left_pad
 from .models.backend import Backend
-from .sampling import LogitsProcessing, SamplingParams, block_presence
+from .sampling import LogitsProcessing, SamplingParams, TokenHistory, token_logprobs
 from .verify import greedy_verify, sample_verify
 
 
@@ -25,7 +27,8 @@ class Stats:
     """Counters of one request (one row of a batch)."""
 
     drafter: str = "none"
-    gamma: int = 0
+    gamma: int | str = 0  # or "auto"
+    gamma_sum: int = 0  # draft length this row was allowed, summed over passes (for the mean γ)
     new_tokens: int = 0
     target_passes: int = 0  # including the prefill pass, which yields the first token
     drafted: int = 0  # draft tokens proposed
@@ -49,8 +52,9 @@ class Stats:
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
 
-    def count_pass(self, drafted: int, accepted: int) -> None:
+    def count_pass(self, drafted: int, accepted: int, gamma: int = 0) -> None:
         self.target_passes += 1
+        self.gamma_sum += gamma
         self.drafted += drafted
         self.accepted += accepted
         for j in range(drafted):
@@ -68,6 +72,7 @@ class Stats:
             "tokens_per_second": round(self.tokens_per_second, 2),
             "drafter": self.drafter,
             "gamma": self.gamma,
+            "mean_gamma": round(self.gamma_sum / max(1, self.target_passes - 1), 3),
             "new_tokens": self.new_tokens,
             "draft_tokens": self.drafted,
             "accepted_draft_tokens": self.accepted,
@@ -84,6 +89,7 @@ class Row:
 
     prompt: list[int]
     tokens: list[int] = field(default_factory=list)
+    logprobs: list[dict] | None = None  # per token, when requested
     finished: bool = False
     finish_reason: str | None = None
     stats: Stats = field(default_factory=Stats)
@@ -94,9 +100,11 @@ class Request:
     prompts: list[list[int]]
     params: SamplingParams
     max_new_tokens: int
-    gamma: int
+    gamma: int | str  # "auto": chosen each pass by a GammaController
     seed: int | None = None
     stop_check: object = None  # callable(row_tokens) -> index to cut at, or None
+    logprobs: int | None = None  # top-N alternatives per token (0 = the chosen token's only)
+    gamma_max: int = 8  # the most "auto" may draft
 
 
 def _sync(device: torch.device) -> None:
@@ -118,22 +126,28 @@ class Engine:
     def run(self, req: Request) -> Iterator[tuple[int, list[int]]]:
         """Generate; yields (row, new tokens) as tokens are accepted; returns the list of Rows."""
         dev, params = self.device, req.params
-        proc = LogitsProcessing(params)
+        proc = LogitsProcessing(params, self.vocab_size)
         generator = torch.Generator(device=dev)
         generator.manual_seed(req.seed if req.seed is not None else int(torch.randint(0, 2**62, (1,))))
-        rows = [Row(list(p), stats=Stats(drafter=self.drafter.describe(), gamma=req.gamma)) for p in req.prompts]
+        stats = dict(drafter=self.drafter.describe(), gamma=req.gamma)
+        rows = [Row(list(p), logprobs=None if req.logprobs is None else [], stats=Stats(**stats)) for p in req.prompts]
         active = list(range(len(rows)))  # batch slot -> row index
+        auto = GammaController(len(rows), req.gamma_max) if req.gamma == "auto" else None
         t0 = time.perf_counter()
 
         # Prefill: the target's first token comes from the prompt alone.
         longest = max(len(p) for p in req.prompts)
-        max_tokens = min(longest + req.max_new_tokens, self.context_length) + 2 * req.gamma + 2
+        gamma_max = req.gamma if isinstance(req.gamma, int) else req.gamma_max
+        max_tokens = min(longest + req.max_new_tokens, self.context_length) + 2 * gamma_max + 2
         state = self.backend.new_state(len(rows), max_tokens)
         self.state, self.slots = state, active  # for inspection (tests of the rollback invariant)
         tokens, valid = left_pad(req.prompts, dev)
-        seen = presence_of(req.prompts, self.vocab_size, dev) if params.uses_context else None
+        history = TokenHistory(req.prompts, self.vocab_size, dev, params) if params.uses_context else None
+        context = history.after(tokens[:, :0]) if history is not None else None
         logits = state.append(tokens, valid, last_only=True)[:, -1]
-        pending, _ = proc.pick(logits, seen, generator)
+        dist = proc.scores(logits, context) if params.greedy else proc.probs(logits, context)
+        pending = dist.argmax(-1) if params.greedy else torch.multinomial(dist, 1, generator=generator).squeeze(1)
+        logprobs = _logprobs(req, dist[:, None], pending[:, None], [1] * len(rows))
         _sync(dev)
         for r in rows:
             r.stats.target_seconds += time.perf_counter() - t0
@@ -143,21 +157,20 @@ class Engine:
         n_acc = [0] * len(rows)
 
         while True:
-            active, keep_slots = yield from self._emit(rows, active, new, req)
+            active, keep_slots = yield from self._emit(rows, active, new, logprobs, req)
             if not active:
                 break
             self.slots = active
             if len(keep_slots) < len(new):  # some rows finished: shrink the batch
-                idx = torch.tensor(keep_slots, device=dev)
-                state.select(idx)
-                pending = pending[idx]
-                seen = seen[idx] if seen is not None else None
-                self.drafter.select(keep_slots)
+                state.select(torch.tensor(keep_slots, device=dev))
+                pending = pending[torch.tensor(keep_slots, device=dev)]
+                for part in (history, self.drafter, auto):
+                    if part is not None:
+                        part.select(keep_slots)
                 new = [new[i] for i in keep_slots]
                 n_acc = [n_acc[i] for i in keep_slots]
-            if seen is not None:
-                for slot, toks in enumerate(new):
-                    seen[slot, torch.tensor(toks, device=dev)] = True
+            if history is not None:
+                history.extend(new)
             self.drafter.update(new, n_acc)
 
             # γ never drafts past max_new_tokens or the context
@@ -165,30 +178,41 @@ class Engine:
                 min(req.max_new_tokens - len(rows[r].tokens) for r in active),
                 self.context_length - int(state.lengths().max()) - 1,
             )
-            gamma = max(0, min(req.gamma, room - 1))
+            if auto is not None:
+                gamma, caps = auto.choose(room - 1)
+            else:
+                gamma = max(0, min(req.gamma, room - 1))
+                caps = [gamma] * len(active)
             td = time.perf_counter()
             prop = self.drafter.propose(gamma) if gamma > 0 else self._empty(len(active))
+            prop = _cap(prop, caps)
             _sync(dev)
             tt = time.perf_counter()
             block = torch.cat([pending[:, None], prop.tokens], dim=1)
             start = state.lengths()
             logits = state.append(block)
-            presence = block_presence(seen, prop.tokens) if seen is not None else None
+            context = history.block(prop.tokens) if history is not None else None
             if params.greedy:
-                n, pending = greedy_verify(proc.scores(logits, presence).argmax(-1), prop.tokens, prop.lengths)
+                dist = proc.scores(logits, context)
+                n, pending = greedy_verify(dist.argmax(-1), prop.tokens, prop.lengths)
             else:
-                n, pending = sample_verify(proc.probs(logits, presence), prop.tokens, prop.lengths, prop.probs, generator)
+                dist = proc.probs(logits, context)
+                n, pending = sample_verify(dist, prop.tokens, prop.lengths, prop.probs, generator)
             state.rollback(start + n + 1)
+            n_acc = n.tolist()
+            emitted = torch.cat([prop.tokens, pending[:, None]], 1).scatter(1, n[:, None], pending[:, None])
+            logprobs = _logprobs(req, dist, emitted, [k + 1 for k in n_acc])
             _sync(dev)
             tv = time.perf_counter()
-            n_acc = n.tolist()
             drafts, lens, nxt = prop.tokens.tolist(), prop.lengths.tolist(), pending.tolist()
             new = [drafts[s][: n_acc[s]] + [nxt[s]] for s in range(len(active))]
+            if auto is not None:
+                auto.observe(gamma, prop.tokens.shape[1] + 1, lens, n_acc, tt - td, tv - tt)
             for s, r in enumerate(active):
                 st = rows[r].stats
                 st.drafter_seconds += tt - td
                 st.target_seconds += tv - tt
-                st.count_pass(lens[s], n_acc[s])
+                st.count_pass(lens[s], n_acc[s], caps[s])
         total = time.perf_counter() - t0
         for r in rows:
             r.stats.seconds = total
@@ -196,12 +220,10 @@ class Engine:
         return rows
 
     def _empty(self, batch: int):
-        from .drafters.base import Proposal
-
         z = torch.zeros(batch, 0, dtype=torch.long, device=self.device)
         return Proposal(z, torch.zeros(batch, dtype=torch.long, device=self.device))
 
-    def _emit(self, rows: list[Row], active: list[int], new: list[list[int]], req: Request):
+    def _emit(self, rows: list[Row], active: list[int], new: list[list[int]], logprobs, req: Request):
         """Append each active row's new tokens, ending rows at EOS / stop / max_new_tokens."""
         still, keep_slots = [], []
         for slot, r in enumerate(active):
@@ -223,6 +245,8 @@ class Engine:
                     added = added[: max(0, cut - len(row.tokens))]
                     row.finish_reason = "stop"
             row.tokens.extend(added)
+            if logprobs is not None:
+                row.logprobs.extend(logprobs[slot][: len(added)])
             if added:
                 yield r, added
             if row.finish_reason:
@@ -231,3 +255,16 @@ class Engine:
                 still.append(r)
                 keep_slots.append(slot)
         return still, keep_slots
+
+
+def _logprobs(req: Request, dist: torch.Tensor, tokens: torch.Tensor, count: list[int]):
+    """Logprob entries of each row's first count[b] tokens, from the verify pass's processed distribution."""
+    return None if req.logprobs is None else token_logprobs(dist, req.params.greedy, tokens, count, req.logprobs)
+
+
+def _cap(prop: Proposal, caps: list[int]) -> Proposal:
+    """Limit row b to caps[b] drafts and drop block columns no row uses (a narrower verify pass)."""
+    lengths = torch.minimum(prop.lengths, torch.tensor(caps, device=prop.lengths.device))
+    width = int(lengths.max()) if lengths.numel() else 0
+    probs = prop.probs[:, :width] if prop.probs is not None else None
+    return Proposal(prop.tokens[:, :width], lengths, probs)

@@ -47,6 +47,17 @@ def test_json_output_from_a_model_folder(folders, capsys):
     assert obj["token_ids"] == ref[: len(obj["token_ids"])] and (len(obj["token_ids"]) == 12 or ref[len(obj["token_ids"]) - 1] == 1)
 
 
+def test_gamma_auto_logprobs_and_penalties_in_json(folders, capsys):
+    code, out, err = run_cli(["generate", PROMPT, "--target", folders["target"], "--drafter", "ngram", "--gamma", "auto",
+                              "--max-new-tokens", "12", "--json", "--logprobs", "2", "--frequency-penalty", "0.5",
+                              "--presence-penalty", "0.2", "--logit-bias", "5:1.5"], capsys)
+    assert code == 0, err
+    obj = json.loads(out)
+    assert obj["stats"]["gamma"] == "auto" and "mean_gamma" in obj["stats"]
+    assert [e["token"] for e in obj["logprobs"]] == obj["token_ids"]
+    assert all(len(e["top"]) == 2 and e["logprob"] <= 0 for e in obj["logprobs"])
+
+
 def test_streaming_prints_text_and_a_stats_line(folders, capsys):
     code, out, err = run_cli(["generate", PROMPT, "--target", folders["target"], "--drafter", "ngram",
                               "--max-new-tokens", "10"], capsys)
@@ -64,6 +75,11 @@ BAD = [
     (["--top-p", "1.5"], "top-p"),
     (["--drafter", "bogus"], "unknown drafter"),
     (["--drafter", "model:/no/such/draft"], "does not exist"),
+    (["--presence-penalty", "nan"], "presence penalty"),
+    (["--logit-bias", "99999:1", "--drafter", "ngram"], "outside the vocabulary"),
+    (["--logprobs", "3"], "--json"),
+    (["--logprobs", "-1", "--json"], "logprobs"),
+    (["--json-schema", "/no/such/schema.json"], "schema"),
 ]
 
 

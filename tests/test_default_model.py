@@ -47,3 +47,26 @@ def test_default_target_greedy_identical(default_model, refs, kind, gamma, batch
         assert out.token_ids == ref, mismatch_report(default_model.model, prompt, ref, out.token_ids)
     if kind != "none":
         assert sum(o.stats["accepted_draft_tokens"] for o in outs) > 0
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                           "colors": {"type": "array", "items": {"type": "string"}}},
+          "required": ["name", "age", "colors"]}
+
+
+@pytest.mark.slow
+def test_json_schema_output_speculative_equals_plain(default_model):
+    """The same grammar mask on p and q: constrained speculative output == constrained plain output."""
+    pytest.importorskip("lmformatenforcer")
+    from speculant.constrain import json_schema_processor
+    from speculant.drafters import NgramDrafter, NoDrafter
+
+    prompt = "Describe a cat as a JSON object with its name, age and fur colors."
+    outs = {}
+    for label, drafter, gamma in [("plain", NoDrafter(), None), ("ngram", NgramDrafter(), 4)]:
+        proc = json_schema_processor(default_model.tokenizer, SCHEMA, default_model.eos_token_ids)
+        gen = speculant.Generator(default_model, drafter, gamma=gamma)
+        outs[label] = gen.generate(prompt, max_new_tokens=24, logits_processors=[proc])
+    assert outs["ngram"].token_ids == outs["plain"].token_ids
+    assert outs["plain"].text.startswith("{") and '"name"' in outs["plain"].text
+    assert outs["ngram"].stats["accepted_draft_tokens"] > 0

@@ -22,10 +22,12 @@ SPECULANT_NONE = "speculant none"
 AUTO = "auto"
 
 
+HF_PROMPT_LOOKUP_AUTO = 10  # Hugging Face's documented choice for prompt_lookup_num_tokens
+
+
 def gamma_for_engine(gamma):
-    """Map a γ label to what Generator takes. ``auto`` is, for now, the drafter's default γ
-    (Generator(..., gamma=None)); this is the one hook to point at the adaptive γ controller."""
-    return None if gamma == AUTO else int(gamma)
+    """Map a γ label to what Generator takes: ``auto`` is speculant's adaptive controller."""
+    return AUTO if gamma == AUTO else int(gamma)
 
 
 @dataclass(frozen=True)
@@ -166,12 +168,9 @@ class MethodRunner:
     def encode(self, prompt: BenchPrompt) -> list[int]:
         return self.generators["none"].encode(prompt.prompt, self.chat_template)
 
-    def resolved_gamma(self, method: Method, gamma) -> int | None:
-        """The γ a call really uses (``auto`` -> the drafter's default), None without a drafter."""
-        if not method.uses_gamma:
-            return None
-        g = gamma_for_engine(gamma)
-        return self.generators[method.drafter].gamma if g is None else g
+    def resolved_gamma(self, method: Method, gamma) -> int | str | None:
+        """The γ a call uses (an int, or "auto"), None without a drafter."""
+        return gamma_for_engine(gamma) if method.uses_gamma else None
 
     def run(self, method: Method, setting: Setting, batch: list[BenchPrompt], ids: list[list[int]],
             max_new_tokens: int, seed: int) -> dict:
@@ -232,10 +231,11 @@ class MethodRunner:
             if len(ids) > 1:
                 raise SpeculantError("Hugging Face assisted generation supports batch size 1 only")
             if method.drafter == "ngram":
-                kwargs["prompt_lookup_num_tokens"] = gamma
+                kwargs["prompt_lookup_num_tokens"] = HF_PROMPT_LOOKUP_AUTO if gamma == AUTO else gamma
             else:
                 kwargs["assistant_model"] = self.assistants[method.drafter]
-                assistant = _constant_gamma(self.assistants[method.drafter], gamma)
+                if gamma != AUTO:  # auto: HF's own heuristic schedule of assistant tokens
+                    assistant = _constant_gamma(self.assistants[method.drafter], gamma)
         torch.manual_seed(seed)
         with torch.no_grad(), assistant, CountCalls(model) as calls:
             out = model.generate(**kwargs)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..models.backend import Backend
-from ..sampling import block_presence
+from ..sampling import TokenHistory
 from .base import DraftContext, Drafter, Proposal
 
 
@@ -22,14 +22,6 @@ def left_pad(rows: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]
             tokens[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
             valid[i, width - len(r) :] = True
     return tokens.to(device), valid.to(device)
-
-
-def presence_of(rows: list[list[int]], vocab: int, device) -> torch.Tensor:
-    seen = torch.zeros(len(rows), vocab, dtype=torch.bool)
-    for i, r in enumerate(rows):
-        if r:
-            seen[i, torch.tensor(r, dtype=torch.long)] = True
-    return seen.to(device)
 
 
 def fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -63,9 +55,8 @@ class ModelDrafter(Drafter):
         self.to_feed: list[list[int]] = [[] for _ in ctx.prompts]
         self.block_start: torch.Tensor | None = None
         self.fed_drafts: list[list[int]] = [[] for _ in ctx.prompts]
-        self.seen = (
-            presence_of(ctx.prompts, ctx.vocab_size, ctx.device) if ctx.processing.params.uses_context else None
-        )
+        params = ctx.processing.params
+        self.history = TokenHistory(ctx.prompts, ctx.vocab_size, ctx.device, params) if params.uses_context else None
 
     @torch.no_grad()
     def propose(self, gamma: int) -> Proposal:
@@ -78,8 +69,8 @@ class ModelDrafter(Drafter):
         probs = [] if not params.greedy else None
         for j in range(gamma):
             logits = fit_vocab(logits, self.ctx.vocab_size)
-            presence = block_presence(self.seen, drafts[:, :j])[:, -1] if self.seen is not None else None
-            tok, q = proc.pick(logits, presence, self.ctx.generator)
+            context = self.history.after(drafts[:, :j]) if self.history is not None else None
+            tok, q = proc.pick(logits, context, self.ctx.generator)
             drafts[:, j] = tok
             if probs is not None:
                 probs.append(q)
@@ -94,13 +85,11 @@ class ModelDrafter(Drafter):
             keep = torch.tensor([min(n, self.fed) for n in n_accepted], device=self.ctx.device)
             self.state.rollback(self.block_start + keep)
             self.to_feed = [toks[k:] for toks, k in zip(new_tokens, keep.tolist())]
-        else:  # the target's first token, before any proposal
-            self.to_feed = [list(t) for t in new_tokens]
+        else:  # no proposal since the last update (first token, or a pass with γ = 0): the text just grew
+            self.to_feed = [fed + list(t) for fed, t in zip(self.to_feed, new_tokens)]
         self.block_start = None
-        if self.seen is not None:
-            for row, toks in enumerate(new_tokens):
-                if toks:
-                    self.seen[row, torch.tensor(toks, device=self.ctx.device)] = True
+        if self.history is not None:
+            self.history.extend(new_tokens)
 
     def select(self, rows) -> None:
         idx = torch.tensor(rows, dtype=torch.long, device=self.ctx.device)
@@ -108,5 +97,5 @@ class ModelDrafter(Drafter):
         if self.block_start is not None:
             self.block_start = self.block_start[idx]
         self.to_feed = [self.to_feed[r] for r in rows]
-        if self.seen is not None:
-            self.seen = self.seen[idx]
+        if self.history is not None:
+            self.history.select(rows)

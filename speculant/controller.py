@@ -1,0 +1,201 @@
+"""Adaptive γ (``--gamma auto``): how many tokens to draft each pass, from measured α and costs.
+
+A pass that drafts γ tokens and verifies a block of k = γ + 1 yields on average
+τ(γ) = 1 + α₀ + α₀α₁ + … + α₀…α_{γ-1} tokens (= (1 − α^(γ+1)) / (1 − α) for a constant α)
+and costs t_draft(γ) + t_verify(k). ``choose_gamma`` maximises τ / cost; γ = 0 is plain decoding
+(cost t_verify(1), one token), so speculation is switched off exactly when it would not pay.
+
+``GammaController`` feeds that decision with running estimates, per request (row):
+α per draft position (a Beta prior, discounted so it follows the text), the drafter's seconds per
+draft token, and the target's seconds per verify pass as a function of the tokens it processes
+(batch × k), interpolated linearly between measured widths. Rows that do not pay get draft length 0
+and are re-tried with γ = 1 after ``retry_every`` passes (the wait doubles, up to 8×, while retries
+fail), so a request whose text turns repetitive later gets speculation back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+
+def expected_tokens(alpha: float | Sequence[float], gamma: int) -> float:
+    """τ(γ): expected tokens of one pass. ``alpha`` is one rate or a rate per draft position
+    (conditional on the earlier ones being accepted); positions past its end reuse the last rate."""
+    if isinstance(alpha, (int, float)):
+        a = float(alpha)
+        return float(gamma + 1) if a >= 1.0 else (1.0 - a ** (gamma + 1)) / (1.0 - a)
+    total, survive = 1.0, 1.0
+    for j in range(gamma):
+        survive *= alpha[min(j, len(alpha) - 1)] if len(alpha) else 0.0
+        total += survive
+    return total
+
+
+@dataclass
+class StaticCosts:
+    """Seconds of one pass, as the decision sees them: drafting γ tokens and verifying k = γ + 1."""
+
+    draft_per_token: float
+    verify: Callable[[int], float]  # k -> seconds
+
+    def seconds(self, gamma: int) -> float:
+        return self.draft_per_token * gamma + self.verify(gamma + 1)
+
+
+def choose_gamma(alpha: float | Sequence[float], costs, gamma_max: int) -> int:
+    """The γ in [0, gamma_max] with the most expected tokens per second (0 = do not speculate)."""
+    return choose_batch_gamma([alpha], costs, gamma_max)[0]
+
+
+def choose_batch_gamma(alphas: Sequence, costs, gamma_max: int) -> tuple[int, list[bool]]:
+    """One γ for a batch that shares each pass. A row drafts only if speculation pays for it alone
+    (its own best γ > 0); the batch γ maximises the summed expected tokens over the pass cost.
+    Returns (γ, which rows draft)."""
+    best_alone = [_argmax(lambda g, a=a: expected_tokens(a, g) / costs.seconds(g), gamma_max) for a in alphas]
+    on = [g > 0 for g in best_alone]
+    if not any(on):
+        return 0, on
+
+    def rate(g: int) -> float:
+        tokens = sum(expected_tokens(a, g) if row_on else 1.0 for a, row_on in zip(alphas, on))
+        return tokens / costs.seconds(g)
+
+    gamma = _argmax(rate, gamma_max)
+    return gamma, on if gamma > 0 else [False] * len(on)
+
+
+def _argmax(f, gamma_max: int) -> int:
+    best, best_value = 0, f(0)
+    for g in range(1, gamma_max + 1):
+        v = f(g)
+        if v > best_value * (1 + 1e-9):  # ties go to the smaller γ
+            best, best_value = g, v
+    return best
+
+
+class VerifyTimes:
+    """Target seconds per pass as a function of tokens processed (batch × k): an EWMA per width,
+    linear interpolation between measured widths, linear extrapolation outside them."""
+
+    def __init__(self, prior_slope: float = 0.05, decay: float = 0.7):
+        self.points: dict[int, float] = {}
+        self.prior_slope, self.decay = prior_slope, decay
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        old = self.points.get(tokens)
+        self.points[tokens] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+
+    def __call__(self, tokens: int) -> float:
+        if tokens in self.points:
+            return self.points[tokens]
+        xs = sorted(self.points)
+        if not xs:
+            return 1.0
+        if len(xs) == 1:  # one width seen: assume cost grows by prior_slope of itself per extra token
+            x, y = xs[0], self.points[xs[0]]
+            return max(y * 0.5, y * (1 + self.prior_slope * (tokens - x) / max(x, 1)))
+        lo = max((x for x in xs if x < tokens), default=None)
+        hi = min((x for x in xs if x > tokens), default=None)
+        if lo is None:
+            lo, hi = xs[0], xs[1]
+        elif hi is None:
+            lo, hi = xs[-2], xs[-1]
+        slope = max(0.0, (self.points[hi] - self.points[lo]) / (hi - lo))
+        return max(1e-9, self.points[lo] + slope * (tokens - lo))
+
+
+@dataclass
+class RowAlpha:
+    """Acceptance per draft position for one row: discounted Beta counts, each position's prior
+    centred on the previous position's estimate (unseen positions inherit it)."""
+
+    prior_mean: float = 0.6
+    prior_strength: float = 2.0
+    decay: float = 0.97
+    accepted: list[float] = field(default_factory=list)
+    drafted: list[float] = field(default_factory=list)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        seen = min(drafted, accepted + 1)  # positions after the first rejection were not judged
+        while len(self.drafted) < seen:
+            self.drafted.append(0.0)
+            self.accepted.append(0.0)
+        for j in range(seen):
+            self.drafted[j] = self.decay * self.drafted[j] + 1
+            self.accepted[j] = self.decay * self.accepted[j] + (j < accepted)
+
+    def profile(self, length: int) -> list[float]:
+        out, prev = [], self.prior_mean
+        for j in range(length):
+            a = self.accepted[j] if j < len(self.accepted) else 0.0
+            d = self.drafted[j] if j < len(self.drafted) else 0.0
+            prev = (a + self.prior_strength * prev) / (d + self.prior_strength)
+            out.append(prev)
+        return out
+
+
+class GammaController:
+    """Chooses γ each pass of one request and learns from what the pass did."""
+
+    EXPLORE = (0, 1, 2)  # the first passes measure costs at a few (cheap) widths before trusting the model
+
+    def __init__(self, rows: int, gamma_max: int = 8, retry_every: int = 16, retry_gamma: int = 1):
+        self.gamma_max, self.retry_every, self.retry_gamma = gamma_max, retry_every, retry_gamma
+        self.alphas = [RowAlpha() for _ in range(rows)]
+        self.off_for = [0] * rows  # passes each row has gone without drafting
+        self.wait = [retry_every] * rows  # passes until a row that is off is re-tried; doubles while retries fail
+        self.on = [True] * rows
+        self.verify = VerifyTimes()
+        self.draft_per_token: float | None = None
+        self.passes = 0
+        self.gammas_used: list[int] = []
+
+    def select(self, keep: list[int]) -> None:
+        """Only these batch slots go on."""
+        self.alphas = [self.alphas[i] for i in keep]
+        self.off_for = [self.off_for[i] for i in keep]
+        self.wait = [self.wait[i] for i in keep]
+        self.on = [self.on[i] for i in keep]
+
+    def costs(self, batch: int) -> StaticCosts:
+        per_token = self.draft_per_token if self.draft_per_token is not None else 0.0
+        return StaticCosts(per_token, lambda k: self.verify(batch * k))
+
+    def choose(self, room: int) -> tuple[int, list[int]]:
+        """(γ for the pass, per-row draft caps) with γ <= room."""
+        cap = max(0, min(self.gamma_max, room))
+        if self.passes < len(self.EXPLORE):
+            g = min(self.EXPLORE[self.passes], cap)
+            return g, [g] * len(self.alphas)
+        profiles = [a.profile(cap) for a in self.alphas]
+        gamma, on = choose_batch_gamma(profiles, self.costs(len(self.alphas)), cap)
+        for row, row_on in enumerate(on):
+            if row_on:
+                self.wait[row] = self.retry_every
+            elif self.on[row] is False and self.off_for[row] == 0:  # the last pass was a retry, and it failed
+                self.wait[row] = min(8 * self.retry_every, 2 * self.wait[row])
+        self.on = on
+        retry = [not row_on and off + 1 >= wait for row_on, off, wait in zip(on, self.off_for, self.wait)]
+        if any(retry) and gamma == 0:
+            gamma = min(self.retry_gamma, cap)
+        return gamma, [gamma if (row_on or r) else 0 for row_on, r in zip(on, retry)]
+
+    def observe(self, gamma: int, width: int, lengths: list[int], accepted: list[int],
+                draft_seconds: float, verify_seconds: float) -> None:
+        """What the pass did: requested γ, verified block width k, drafts and acceptances per row."""
+        self.passes += 1
+        self.gammas_used.append(gamma)
+        if gamma > 0:
+            per_token = draft_seconds / gamma
+            self.draft_per_token = per_token if self.draft_per_token is None else 0.7 * self.draft_per_token + 0.3 * per_token
+        self.verify.observe(len(lengths) * width, verify_seconds)
+        for row, (d, n) in enumerate(zip(lengths, accepted)):
+            if d > 0:
+                self.alphas[row].observe(d, n)
+                self.off_for[row] = 0
+            else:
+                self.off_for[row] += 1
+
+    @property
+    def mean_gamma(self) -> float:
+        return sum(self.gammas_used) / len(self.gammas_used) if self.gammas_used else 0.0

@@ -1,0 +1,116 @@
+"""The adaptive γ controller: its decision function on synthetic α and costs, and its bookkeeping."""
+import pytest
+
+from speculant.controller import (GammaController, RowAlpha, StaticCosts, VerifyTimes, choose_batch_gamma,
+                                  choose_gamma, expected_tokens)
+
+
+def flat(verify=1.0, draft=0.0):
+    return StaticCosts(draft_per_token=draft, verify=lambda k: verify)
+
+
+def test_expected_tokens_closed_form_and_per_position_agree():
+    for a in (0.0, 0.3, 0.8, 1.0):
+        for g in range(6):
+            closed = expected_tokens(a, g)
+            assert closed == pytest.approx(expected_tokens([a] * g, g))
+            assert closed == pytest.approx(sum(a**i for i in range(g + 1)))
+    assert expected_tokens([0.9, 0.5, 0.0], 5) == pytest.approx(1 + 0.9 + 0.45)
+
+
+@pytest.mark.parametrize("alpha,c", [(0.1, 0.2), (0.3, 0.5), (0.0, 0.01), (0.45, 0.5)])
+def test_gamma_zero_when_alpha_below_cost_ratio(alpha, c):
+    # drafting one token costs c of a target pass and earns α tokens: it never pays when α < c
+    assert choose_gamma(alpha, flat(1.0, c), 8) == 0
+
+
+@pytest.mark.parametrize("alpha,c", [(0.3, 0.2), (0.6, 0.5), (0.2, 0.01)])
+def test_speculates_when_alpha_above_cost_ratio(alpha, c):
+    assert choose_gamma(alpha, flat(1.0, c), 8) >= 1
+
+
+def test_large_gamma_when_alpha_high_and_drafting_cheap():
+    assert choose_gamma(0.95, flat(1.0, 0.01), 8) == 8
+    assert choose_gamma(0.9, flat(1.0, 0.02), 16) >= 10
+
+
+def test_verify_cost_growing_with_width_limits_gamma():
+    cheap = choose_gamma(0.8, flat(1.0, 0.02), 12)
+    growing = choose_gamma(0.8, StaticCosts(0.02, lambda k: 1.0 + 0.15 * (k - 1)), 12)
+    assert 1 <= growing < cheap
+
+
+def test_per_position_alpha_stops_where_acceptance_collapses():
+    # positions 0-2 almost always accepted, later ones never: drafting past 3 only costs
+    assert choose_gamma([0.95, 0.95, 0.95, 0.0], flat(1.0, 0.05), 8) == 3
+
+
+def test_batch_rows_that_do_not_pay_are_off():
+    gamma, on = choose_batch_gamma([0.9, 0.05], flat(1.0, 0.1), 8)
+    assert gamma >= 2 and on == [True, False]
+    gamma, on = choose_batch_gamma([0.05, 0.02], flat(1.0, 0.1), 8)
+    assert gamma == 0 and on == [False, False]
+
+
+def test_verify_times_interpolate_and_extrapolate():
+    vt = VerifyTimes()
+    vt.observe(1, 1.0)
+    assert vt(1) == 1.0 and vt(5) > 1.0  # one point: prior slope
+    vt.observe(5, 2.0)
+    assert vt(3) == pytest.approx(1.5)
+    assert vt(9) == pytest.approx(3.0)
+    vt.observe(5, 4.0)  # EWMA, not replacement
+    assert 2.0 < vt(5) < 4.0
+
+
+def test_row_alpha_learns_and_unseen_positions_inherit():
+    ra = RowAlpha(prior_mean=0.5)
+    for _ in range(40):
+        ra.observe(drafted=4, accepted=1)  # position 0 accepted, position 1 rejected, 2-3 unjudged
+    prof = ra.profile(4)
+    assert prof[0] > 0.9 and prof[1] < 0.1
+    assert prof[2] == pytest.approx(prof[1], abs=0.05)
+
+
+def test_controller_switches_off_and_retries():
+    ctl = GammaController(rows=1, gamma_max=8, retry_every=16)
+    costs = {1: 1.0}
+    chosen = []
+    for _ in range(80):
+        g, caps = ctl.choose(room=50)
+        chosen.append(g)
+        width = max(caps) + 1
+        # a useless drafter: nothing accepted; drafting costs 0.3 of a pass per token
+        ctl.observe(g, width, caps, [0], draft_seconds=0.3 * g, verify_seconds=costs.get(width, 1.0 + 0.05 * width))
+    late = chosen[10:]
+    assert late.count(0) > 0.85 * len(late), late
+    assert any(g > 0 for g in late), "never retried"
+
+
+def test_controller_speculates_with_a_good_cheap_drafter():
+    ctl = GammaController(rows=2, gamma_max=8)
+    for _ in range(40):
+        g, caps = ctl.choose(room=50)
+        ctl.observe(g, max(caps) + 1, caps, [c for c in caps], draft_seconds=0.01 * g, verify_seconds=1.0)
+    g, caps = ctl.choose(room=50)
+    assert g == 8 and caps == [8, 8]
+    assert ctl.choose(room=3)[0] <= 3
+
+
+def test_controller_shrinking_batch_keeps_row_estimates():
+    ctl = GammaController(rows=3)
+    ctl.alphas[2].observe(4, 4)
+    ctl.select([2])
+    assert len(ctl.alphas) == 1 and ctl.alphas[0].accepted[0] == 1.0
+
+
+def test_failed_retries_back_off():
+    ctl = GammaController(rows=1, gamma_max=8, retry_every=16)
+    chosen = []
+    for _ in range(400):
+        g, caps = ctl.choose(room=50)
+        chosen.append(g)
+        ctl.observe(g, max(caps) + 1, caps, [0], draft_seconds=0.3 * g, verify_seconds=1.0 + 0.05 * (max(caps) + 1))
+    late = [g for g in chosen[200:] if g > 0]
+    assert 1 <= len(late) <= 200 // 64, late  # waits grew from 16 to 128 passes
+    assert all(g == 1 for g in late)
