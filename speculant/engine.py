@@ -213,6 +213,7 @@ class Engine:
                 st.drafter_seconds += tt - td
                 st.target_seconds += tv - tt
                 st.count_pass(lens[s], n_acc[s], caps[s])
+        self.state = None  # the cache is not kept alive between requests
         total = time.perf_counter() - t0
         for r in rows:
             r.stats.seconds = total

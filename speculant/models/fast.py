@@ -111,6 +111,11 @@ class FastLlama:
         for each query, to the slots at or before its position. Returns logits [B, w or 1, V]."""
         B, w = tokens.shape
         S = keys[0].shape[2]
+        if tokens.device.type == "cpu":
+            # attend over the live part of the cache only (a view): attention work follows the text's
+            # length, not the cache's size. On GPU shapes stay static for CUDA graphs.
+            S = min(S, -(-(int(positions.max()) + 1) // 64) * 64)
+            keys, values = [k[:, :, :S] for k in keys], [v[:, :, :S] for v in values]
         h = self.embed(tokens)
         freqs = positions[..., None].float() * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
