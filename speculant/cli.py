@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
+    from .drafters.layerskip_tune import add_tune_layerskip_parser
+
+    add_tune_layerskip_parser(sub)
     try:
         from .bench.cli import add_bench_parser
     except ImportError:

@@ -92,8 +92,8 @@ class ModelDrafter(Drafter):
             keep = torch.tensor([min(n, self.fed) for n in n_accepted], device=self.ctx.device)
             self.state.keep(self.block_start, keep)
             self.to_feed = [toks[k:] for toks, k in zip(new_tokens, keep.tolist())]
-        else:  # the target's first token, before any proposal
-            self.to_feed = [list(t) for t in new_tokens]
+        else:  # no proposal since the last update (the target's first token, or a pass with γ = 0)
+            self.to_feed = [f + list(t) for f, t in zip(self.to_feed, new_tokens)]
         self.block_start = None
         if self.seen is not None:
             for row, toks in enumerate(new_tokens):
