@@ -22,6 +22,8 @@ def same_vocabulary(target_tok, draft_tok) -> bool:
 
 def check_same_tokenizer(target_tok, draft_tok, draft_name: str) -> None:
     """A draft model must share the target's vocabulary: token ids are compared one for one."""
+    if target_tok is None or draft_tok is None:  # a bare model (speculant.generate): nothing to compare
+        return
     if not same_vocabulary(target_tok, draft_tok):
         raise SpeculantError(
             f"drafter '{draft_name}' has a different vocabulary ({len(draft_tok)} tokens) from the target's "
