@@ -72,6 +72,8 @@ def tune(target_spec: str, prompts: int = 3, max_new_tokens: int = 48, gamma: in
 
     target = load_model(target_spec, device=device, dtype=dtype)
     n = num_layers(target.model)
+    if n < 3:
+        raise SpeculantError(f"the target has {n} layers: layerskip needs at least 3 (the first and last always run)")
     texts = calibration_prompts(prompts)
     plain = Generator(target, NoDrafter())
     ids = [plain.encode(t) for t in texts]
@@ -124,6 +126,8 @@ def tune(target_spec: str, prompts: int = 3, max_new_tokens: int = 48, gamma: in
 def cmd_tune_layerskip(args) -> int:
     from .layerskip import tuned_path
 
+    if args.gamma < 1:
+        raise SpeculantError(f"--gamma must be >= 1, got {args.gamma}")
     if args.prompts < 1:
         raise SpeculantError(f"--prompts must be >= 1, got {args.prompts}")
     if args.max_new_tokens < 2:
