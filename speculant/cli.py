@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="with --json: each token's logprob under the target and the top N alternatives")
 
+    from .drafters.layerskip_tune import add_tune_layerskip_parser
+
+    add_tune_layerskip_parser(sub)
     try:
         from .bench.cli import add_bench_parser
     except ImportError:

@@ -158,14 +158,19 @@ class TokenHistory:
             texts,
         )
 
-    def after(self, drafts: torch.Tensor) -> Context:
-        """Context after all of drafts [B, j] (the position a drafter samples draft j at)."""
-        ones = torch.ones_like(drafts, dtype=torch.int32)
+    def after(self, drafts: torch.Tensor, lengths: torch.Tensor | None = None) -> Context:
+        """Context after drafts [B, j] (the position a drafter samples draft j at); with ``lengths``,
+        after row b's first lengths[b] drafts only (rows at different positions)."""
+        if lengths is None:
+            ones = torch.ones_like(drafts, dtype=torch.int32)
+        else:
+            ones = (torch.arange(drafts.shape[1], device=drafts.device)[None, :] < lengths[:, None]).to(torch.int32)
         seen = self.seen.scatter_add(1, drafts, ones) > 0 if self.seen is not None else None
         counts = self.counts.scatter_add(1, drafts, ones) if self.counts is not None else None
         texts = None
         if self.texts is not None:
-            texts = [text + d for text, d in zip(self.texts, drafts.tolist())]
+            n = ones.sum(1).tolist()
+            texts = [text + d[: n[b]] for b, (text, d) in enumerate(zip(self.texts, drafts.tolist()))]
         return Context(seen, counts, texts)
 
 

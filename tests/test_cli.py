@@ -104,10 +104,34 @@ def test_not_a_model_file(folders, capsys, tmp_path):
         assert code == 2 and "not a" in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_drafter_with_another_vocabulary_names_both_sizes(folders, capsys):
+def test_drafter_with_another_vocabulary_drafts_through_text(folders, capsys):
+    """A 120-token drafter for a 96-token target: converted through text, output = the target alone."""
+    args = ["generate", PROMPT, "--target", folders["target"], "--max-new-tokens", "12", "--json", "--gamma", "3"]
+    code, out, err = run_cli(args + ["--drafter", f"model:{folders['other_vocab']}"], capsys)
+    assert code == 0, err
+    obj = json.loads(out)
+    assert "via text" in obj["stats"]["drafter"]
+    code, ref, err = run_cli(args + ["--drafter", "none"], capsys)
+    assert code == 0, err
+    assert obj["token_ids"] == json.loads(ref)["token_ids"]
+
+
+def test_cascade_level_with_another_vocabulary_names_both_sizes(folders, capsys):
     code, _, err = run_cli(["generate", PROMPT, "--target", folders["target"], "--drafter",
-                            f"model:{folders['other_vocab']}"], capsys)
+                            f"cascade:ngram,model:{folders['other_vocab']}"], capsys)
     assert code == 2 and "120" in err and "96" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_new_drafter_specs_from_the_cli(folders, capsys):
+    args = ["generate", PROMPT, "--target", folders["target"], "--max-new-tokens", "10", "--json", "--gamma", "3"]
+    ref = json.loads(run_cli(args + ["--drafter", "none"], capsys)[1])["token_ids"]
+    for spec in (f"cascade:ngram,model:{folders['draft']}", f"cascade:model:{folders['draft']},model:{folders['draft']}"):
+        code, out, err = run_cli(args + ["--drafter", spec], capsys)
+        assert code == 0, err
+        assert json.loads(out)["token_ids"] == ref
+    for bad in ("cascade:ngram", "cascade:none,model:x", "layerskip:zz", "layerskip:1-5:2"):
+        code, _, err = run_cli(args + ["--drafter", bad], capsys)
+        assert code == 2 and len(err.strip().splitlines()) == 1, (bad, err)
 
 
 def test_empty_prompt_and_prompt_longer_than_context(folders, capsys):

@@ -3,33 +3,75 @@ from __future__ import annotations
 
 from ..errors import SpeculantError
 from .base import DraftContext, Drafter, Proposal
+from .cascade import CascadeDrafter
+from .cross_tokenizer import CrossTokenizerDrafter
+from .layerskip import LayerSkipDrafter
 from .model import ModelDrafter
 from .ngram import NgramDrafter
 from .none import NoDrafter
 
-DRAFTER_HELP = "none | ngram | model:PATH (PATH: a model folder, a .gguf file, or 'default')"
+DRAFTER_HELP = (
+    "none | ngram | model:PATH (PATH: a model folder, a .gguf file, or 'default'; another tokenizer works "
+    "through text) | layerskip[:FILE.json|:A-B:STEP] | cascade:A,B (A: ngram or model:PATH, B: model:PATH or layerskip)"
+)
+
+
+def same_vocabulary(target_tok, draft_tok) -> bool:
+    return len(target_tok) == len(draft_tok) and target_tok.get_vocab() == draft_tok.get_vocab()
 
 
 def check_same_tokenizer(target_tok, draft_tok, draft_name: str) -> None:
     """A draft model must share the target's vocabulary: token ids are compared one for one."""
-    tv, dv = len(target_tok), len(draft_tok)
-    if tv != dv or target_tok.get_vocab() != draft_tok.get_vocab():
+    if target_tok is None or draft_tok is None:  # a bare model (speculant.generate): nothing to compare
+        return
+    if not same_vocabulary(target_tok, draft_tok):
         raise SpeculantError(
-            f"drafter '{draft_name}' has a different vocabulary ({dv} tokens) from the target's ({tv} tokens): "
-            "use a draft model with the target's tokenizer"
+            f"drafter '{draft_name}' has a different vocabulary ({len(draft_tok)} tokens) from the target's "
+            f"({len(target_tok)} tokens): use a draft model with the target's tokenizer"
         )
+
+
+def split_cascade(spec: str) -> tuple[str, str]:
+    body = spec[len("cascade:") :]
+    if body.count(",") != 1:
+        raise SpeculantError(f"bad cascade spec {spec!r}: use cascade:A,B (e.g. cascade:ngram,model:PATH)")
+    a, b = body.split(",")
+    if a != "ngram" and not a.startswith("model:"):
+        raise SpeculantError(f"cascade: the first (tiny) drafter must be ngram or model:PATH, got {a!r}")
+    if not b.startswith("model:") and not (b == "layerskip" or b.startswith("layerskip:")):
+        raise SpeculantError(f"cascade: the middle drafter must be model:PATH or layerskip, got {b!r}")
+    return a, b
 
 
 def validate_drafter_spec(spec) -> None:
     """Reject a bad drafter spec before any model is loaded."""
     if isinstance(spec, Drafter):
         return
-    if not isinstance(spec, str) or not spec or (spec not in ("none", "ngram") and not spec.startswith("model:")):
+    if not isinstance(spec, str) or not spec:
         raise SpeculantError(f"unknown drafter {spec!r}: use {DRAFTER_HELP}")
+    if spec in ("none", "ngram"):
+        return
     if spec.startswith("model:"):
         from ..models.loading import resolve_model_path
 
         resolve_model_path(spec[len("model:") :] or "")
+        return
+    if spec == "layerskip" or spec.startswith("layerskip:"):
+        from .layerskip import validate_layerskip_spec
+
+        validate_layerskip_spec(spec)
+        return
+    if spec.startswith("cascade:"):
+        for part in split_cascade(spec):
+            validate_drafter_spec(part)
+        return
+    raise SpeculantError(f"unknown drafter {spec!r}: use {DRAFTER_HELP}")
+
+
+def _load_draft(path: str, target, device, dtype):
+    from ..models.loading import load_model
+
+    return load_model(path, device=target.device if device is None else device, dtype=dtype or target.model.dtype)
 
 
 def make_drafter(spec, target, device=None, dtype=None) -> Drafter:
@@ -42,12 +84,32 @@ def make_drafter(spec, target, device=None, dtype=None) -> Drafter:
     if spec == "ngram":
         return NgramDrafter()
     if spec.startswith("model:"):
-        from ..models.loading import load_model
-
         path = spec[len("model:") :]
-        draft = load_model(path, device=target.device if device is None else device, dtype=dtype or target.model.dtype)
-        check_same_tokenizer(target.tokenizer, draft.tokenizer, path)
+        draft = _load_draft(path, target, device, dtype)
+        if target.tokenizer is not None and not same_vocabulary(target.tokenizer, draft.tokenizer):
+            return CrossTokenizerDrafter(draft.model, draft.tokenizer, target.tokenizer, label=draft.name)
         return ModelDrafter(draft.model, label=draft.name)
+    if spec == "layerskip" or spec.startswith("layerskip:"):
+        from .layerskip import num_layers, parse_skip_spec
+
+        skip, source = parse_skip_spec(spec, num_layers(target.model), target.name)
+        return LayerSkipDrafter(target.model, skip, label=source)
+    if spec.startswith("cascade:"):
+        a, b = split_cascade(spec)
+        if b.startswith("model:"):
+            mid = _load_draft(b[len("model:") :], target, device, dtype)
+            check_same_tokenizer(target.tokenizer, mid.tokenizer, b[len("model:") :])
+            middle, label = mid.model, f"model:{mid.name}"
+        else:
+            lay = make_drafter(b, target, device, dtype)
+            middle, label = lay.model, lay.describe()
+        if a.startswith("model:"):
+            tiny = _load_draft(a[len("model:") :], target, device, dtype)
+            check_same_tokenizer(target.tokenizer, tiny.tokenizer, a[len("model:") :])
+            inner = ModelDrafter(tiny.model, label=tiny.name)
+        else:
+            inner = NgramDrafter()
+        return CascadeDrafter(inner, middle, label=label)
     raise AssertionError(spec)  # validate_drafter_spec lets nothing else through
 
 
@@ -55,11 +117,15 @@ __all__ = [
     "DraftContext",
     "Drafter",
     "Proposal",
+    "CascadeDrafter",
+    "CrossTokenizerDrafter",
+    "LayerSkipDrafter",
     "ModelDrafter",
     "NgramDrafter",
     "NoDrafter",
     "make_drafter",
     "check_same_tokenizer",
+    "same_vocabulary",
     "validate_drafter_spec",
     "DRAFTER_HELP",
 ]
