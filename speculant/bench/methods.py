@@ -42,13 +42,15 @@ class Method:
 
 
 def methods_for(drafters: list[str]) -> list[Method]:
-    """HF generate and speculant none always; per drafter: HF assisted generation and speculant."""
+    """HF generate and speculant none always; per drafter: speculant, and HF assisted generation where
+    Hugging Face has the same drafter (prompt lookup for ngram, assistant_model for model:PATH)."""
     out = [Method(HF_GENERATE, "hf", "none"), Method(SPECULANT_NONE, "speculant", "none")]
     for d in drafters:
         validate_drafter_spec(d)
         if d == "none":
             continue
-        out.append(Method(f"hf assisted {d}", "hf_assisted", d))
+        if d == "ngram" or d.startswith("model:"):
+            out.append(Method(f"hf assisted {d}", "hf_assisted", d))
         out.append(Method(f"speculant {d}", "speculant", d))
     return out
 
