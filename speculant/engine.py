@@ -13,9 +13,8 @@ from typing import Iterator
 
 import torch
 
-from .drafters.base import DraftContext, Drafter
 from .controller import GammaController
-from .drafters.base import Proposal
+from .drafters.base import DraftContext, Drafter, Proposal
 from .drafters.model import left_pad
 from .models.backend import Backend
 from .sampling import LogitsProcessing, SamplingParams, TokenHistory, token_logprobs
