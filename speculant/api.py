@@ -74,7 +74,7 @@ class Generator:
         self.target = target
         self.drafter = drafter
         self.gamma = check_gamma(gamma) if gamma is not None else GAMMA_AUTO
-        if isinstance(drafter, ModelDrafter):  # the drafter takes the target's path
+        if isinstance(drafter, ModelDrafter) and drafter.follows_target_path:  # the drafter takes the target's path
             drafter.backend = Backend(drafter.model, path, compile)
         self.backend = Backend(target.model, path, compile)
         self.engine = Engine(target.model, drafter, target.eos_token_ids, target.context_length, self.backend)

@@ -5,15 +5,22 @@ A pass that drafts γ tokens and verifies a block of k = γ + 1 yields on averag
 and costs t_draft(γ) + t_verify(k). ``choose_gamma`` maximises τ / cost; γ = 0 is plain decoding
 (cost t_verify(1), one token), so speculation is switched off exactly when it would not pay.
 
-``GammaController`` feeds that decision with running estimates, per request (row):
-α per draft position (a Beta prior, discounted so it follows the text), the drafter's seconds per
-draft token, and the target's seconds per verify pass as a function of the tokens it processes
-(batch × k), interpolated linearly between measured widths. Rows that do not pay get draft length 0
-and are re-tried with γ = 1 after ``retry_every`` passes (the wait doubles, up to 8×, while retries
-fail), so a request whose text turns repetitive later gets speculation back.
+``GammaController`` feeds that decision with running estimates. Per request row: α per draft
+position (a Beta prior, discounted so it follows the text). Per engine, kept across requests
+(``CostModel``): the drafter's seconds per draft token and the target's seconds per verify pass as
+a function of the tokens it processes (batch × k), interpolated between measured widths. Verify
+cost is measured, never assumed: on a CPU a 2-token pass can cost 1.6× a 1-token one while 9
+tokens cost barely more than 2, so the first passes of an engine measure the narrowest and the
+widest block before trusting the interpolation, and every width used is measured as it is used.
+Rows that do not pay get draft length 0 and are re-tried with the γ the prior would choose, so a
+request whose text turns repetitive later gets speculation back. A retry that fails costs what it
+cost beyond a plain pass (for a model drafter that includes catching up on the text it skipped),
+so the wait before the next one is at least ``RETRY_BUDGET`` times that cost in passes, and at
+least ``retry_every`` passes, doubling while retries fail: retries stay within ~3% of the time.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -64,9 +71,9 @@ def choose_batch_gamma(alphas: Sequence, costs, gamma_max: int) -> tuple[int, li
     return gamma, on if gamma > 0 else [False] * len(on)
 
 
-def _argmax(f, gamma_max: int) -> int:
-    best, best_value = 0, f(0)
-    for g in range(1, gamma_max + 1):
+def _argmax(f, gamma_max: int, start: int = 0) -> int:
+    best, best_value = start, f(start)
+    for g in range(start + 1, gamma_max + 1):
         v = f(g)
         if v > best_value * (1 + 1e-9):  # ties go to the smaller γ
             best, best_value = g, v
@@ -83,6 +90,8 @@ class VerifyTimes:
 
     def observe(self, tokens: int, seconds: float) -> None:
         old = self.points.get(tokens)
+        if old is not None:
+            seconds = min(seconds, 2 * old)  # a pause (another process, the GC) is not what a pass costs
         self.points[tokens] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
 
     def __call__(self, tokens: int) -> float:
@@ -102,6 +111,39 @@ class VerifyTimes:
             lo, hi = xs[-2], xs[-1]
         slope = max(0.0, (self.points[hi] - self.points[lo]) / (hi - lo))
         return max(1e-9, self.points[lo] + slope * (tokens - lo))
+
+
+class CostModel:
+    """What passes cost on this engine (target, drafter, device): kept across requests, so only an
+    engine's first request pays for measuring them."""
+
+    def __init__(self):
+        self.verify = VerifyTimes()
+        self.draft_per_token: float | None = None
+        self.retry_extra = 0.0  # what a failed retry cost beyond a plain pass, in plain passes
+
+    def observe_retry(self, extra: float) -> None:
+        self.retry_extra = max(0.0, extra) if self.retry_extra == 0.0 else 0.5 * self.retry_extra + 0.5 * max(0.0, extra)
+
+    def observe_pass(self, gamma: int, tokens: int, draft_seconds: float, verify_seconds: float) -> None:
+        """A pass that drafted γ tokens (per row) and verified ``tokens`` (batch × block width)."""
+        if gamma > 0:
+            self.observe_draft(gamma, draft_seconds)
+        self.verify.observe(tokens, verify_seconds)
+
+    def observe_draft(self, gamma: int, seconds: float) -> None:
+        per_token = seconds / gamma
+        if self.draft_per_token is None:
+            self.draft_per_token = per_token
+            return
+        # a pass that also caught the drafter up on many tokens (its lazy prompt prefill, say) is
+        # not what one more draft token costs: clip it
+        per_token = min(per_token, 3 * self.draft_per_token)
+        self.draft_per_token = 0.7 * self.draft_per_token + 0.3 * per_token
+
+    def for_batch(self, batch: int) -> StaticCosts:
+        per_token = self.draft_per_token if self.draft_per_token is not None else 0.0
+        return StaticCosts(per_token, lambda k: self.verify(batch * k))
 
 
 @dataclass
@@ -137,18 +179,24 @@ class RowAlpha:
 class GammaController:
     """Chooses γ each pass of one request and learns from what the pass did."""
 
-    EXPLORE = (0, 1, 2)  # the first passes measure costs at a few (cheap) widths before trusting the model
+    RETRY_BUDGET = 32  # wait at least this many times a failed retry's extra cost (in passes)
 
-    def __init__(self, rows: int, gamma_max: int = 8, retry_every: int = 16, retry_gamma: int = 1):
-        self.gamma_max, self.retry_every, self.retry_gamma = gamma_max, retry_every, retry_gamma
+    def __init__(self, rows: int, gamma_max: int = 8, retry_every: int = 16, costs: CostModel | None = None):
+        self.gamma_max, self.retry_every = gamma_max, retry_every
         self.alphas = [RowAlpha() for _ in range(rows)]
+        self.cost_model = costs if costs is not None else CostModel()
         self.off_for = [0] * rows  # passes each row has gone without drafting
-        self.wait = [retry_every] * rows  # passes until a row that is off is re-tried; doubles while retries fail
+        self.wait = [self._first_wait()] * rows  # passes until a row that is off is re-tried
         self.on = [True] * rows
-        self.verify = VerifyTimes()
-        self.draft_per_token: float | None = None
-        self.passes = 0
+        self.retrying = False  # the pass being chosen/observed is a retry of rows that are off
         self.gammas_used: list[int] = []
+
+    def _first_wait(self) -> int:
+        return max(self.retry_every, math.ceil(self.RETRY_BUDGET * self.cost_model.retry_extra))
+
+    @property
+    def verify(self) -> VerifyTimes:
+        return self.cost_model.verify
 
     def select(self, keep: list[int]) -> None:
         """Only these batch slots go on."""
@@ -158,37 +206,49 @@ class GammaController:
         self.on = [self.on[i] for i in keep]
 
     def costs(self, batch: int) -> StaticCosts:
-        per_token = self.draft_per_token if self.draft_per_token is not None else 0.0
-        return StaticCosts(per_token, lambda k: self.verify(batch * k))
+        return self.cost_model.for_batch(batch)
+
+    def _unmeasured(self, cap: int) -> int | None:
+        """A γ whose verify width this batch size has never timed, narrowest and widest first."""
+        batch = len(self.alphas)
+        for gamma in (0, cap, cap // 2) if cap == self.gamma_max else (0,):  # not the short passes near the end
+            if batch * (gamma + 1) not in self.verify.points:
+                return gamma
+        return None
 
     def choose(self, room: int) -> tuple[int, list[int]]:
         """(γ for the pass, per-row draft caps) with γ <= room."""
         cap = max(0, min(self.gamma_max, room))
-        if self.passes < len(self.EXPLORE):
-            g = min(self.EXPLORE[self.passes], cap)
-            return g, [g] * len(self.alphas)
+        explore = self._unmeasured(cap)
+        if explore is not None:
+            return explore, [explore] * len(self.alphas)
+        costs = self.costs(len(self.alphas))
         profiles = [a.profile(cap) for a in self.alphas]
-        gamma, on = choose_batch_gamma(profiles, self.costs(len(self.alphas)), cap)
+        gamma, on = choose_batch_gamma(profiles, costs, cap)
         for row, row_on in enumerate(on):
             if row_on:
-                self.wait[row] = self.retry_every
+                self.wait[row] = self.retry_every  # it was paying: re-try soon if it stops
             elif self.on[row] is False and self.off_for[row] == 0:  # the last pass was a retry, and it failed
-                self.wait[row] = min(8 * self.retry_every, 2 * self.wait[row])
+                self.wait[row] = max(min(8 * self.retry_every, 2 * self.wait[row]), self._first_wait())
         self.on = on
         retry = [not row_on and off + 1 >= wait for row_on, off, wait in zip(on, self.off_for, self.wait)]
-        if any(retry) and gamma == 0:
-            gamma = min(self.retry_gamma, cap)
+        self.retrying = any(retry) and gamma == 0
+        if self.retrying:
+            # re-try with the γ the prior belief would pick (at least 1): cheap for a drafter whose
+            # misses cost nothing (ngram), short for an expensive one
+            prior = [RowAlpha().prior_mean]
+            gamma = _argmax(lambda g: expected_tokens(prior, g) / costs.seconds(g), cap, start=1) if cap else 0
         return gamma, [gamma if (row_on or r) else 0 for row_on, r in zip(on, retry)]
 
     def observe(self, gamma: int, width: int, lengths: list[int], accepted: list[int],
                 draft_seconds: float, verify_seconds: float) -> None:
         """What the pass did: requested γ, verified block width k, drafts and acceptances per row."""
-        self.passes += 1
         self.gammas_used.append(gamma)
-        if gamma > 0:
-            per_token = draft_seconds / gamma
-            self.draft_per_token = per_token if self.draft_per_token is None else 0.7 * self.draft_per_token + 0.3 * per_token
-        self.verify.observe(len(lengths) * width, verify_seconds)
+        if self.retrying:
+            plain = self.verify(len(lengths))
+            self.cost_model.observe_retry((draft_seconds + verify_seconds) / plain - 1 if plain > 0 else 0.0)
+            self.retrying = False
+        self.cost_model.observe_pass(gamma, len(lengths) * width, draft_seconds, verify_seconds)
         for row, (d, n) in enumerate(zip(lengths, accepted)):
             if d > 0:
                 self.alphas[row].observe(d, n)

@@ -13,7 +13,7 @@ from typing import Iterator
 
 import torch
 
-from .controller import GammaController
+from .controller import CostModel, GammaController
 from .drafters.base import DraftContext, Drafter, Proposal
 from .drafters.model import left_pad
 from .models.backend import Backend
@@ -121,6 +121,7 @@ class Engine:
         self.context_length = context_length
         self.device = next(target.parameters()).device
         self.vocab_size = int(target.get_output_embeddings().weight.shape[0])
+        self.costs = CostModel()  # what passes cost here, learnt by gamma="auto" across requests
 
     def run(self, req: Request) -> Iterator[tuple[int, list[int]]]:
         """Generate; yields (row, new tokens) as tokens are accepted; returns the list of Rows."""
@@ -131,7 +132,7 @@ class Engine:
         stats = dict(drafter=self.drafter.describe(), gamma=req.gamma)
         rows = [Row(list(p), logprobs=None if req.logprobs is None else [], stats=Stats(**stats)) for p in req.prompts]
         active = list(range(len(rows)))  # batch slot -> row index
-        auto = GammaController(len(rows), req.gamma_max) if req.gamma == "auto" else None
+        auto = GammaController(len(rows), req.gamma_max, costs=self.costs) if req.gamma == "auto" else None
         t0 = time.perf_counter()
 
         # Prefill: the target's first token comes from the prompt alone.
@@ -151,7 +152,7 @@ class Engine:
         for r in rows:
             r.stats.target_seconds += time.perf_counter() - t0
             r.stats.count_pass(0, 0)
-        self.drafter.start(DraftContext(req.prompts, proc, generator, dev, self.vocab_size, max_tokens))
+        self.drafter.start(DraftContext(req.prompts, proc, generator, dev, self.vocab_size, max_tokens, state))
         new = [[t] for t in pending.tolist()]
         n_acc = [0] * len(rows)
 
@@ -205,8 +206,11 @@ class Engine:
             tv = time.perf_counter()
             drafts, lens, nxt = prop.tokens.tolist(), prop.lengths.tolist(), pending.tolist()
             new = [drafts[s][: n_acc[s]] + [nxt[s]] for s in range(len(active))]
+            draft_cost = tt - td - (self.drafter.catchup_seconds if gamma > 0 else 0.0)
             if auto is not None:
-                auto.observe(gamma, prop.tokens.shape[1] + 1, lens, n_acc, tt - td, tv - tt)
+                auto.observe(gamma, prop.tokens.shape[1] + 1, lens, n_acc, draft_cost, tv - tt)
+            else:  # fixed-γ passes teach the costs too
+                self.costs.observe_pass(gamma, len(active) * (prop.tokens.shape[1] + 1), draft_cost, tv - tt)
             for s, r in enumerate(active):
                 st = rows[r].stats
                 st.drafter_seconds += tt - td

@@ -281,8 +281,9 @@ def test_quick_run_writes_every_output_file(tiny, tmp_path, capsys):
                        f"hf assisted model:{tiny['draft']}", f"speculant model:{tiny['draft']}"}
     # greedy speculant output equals HF generate's, prompt by prompt (the draft has the target's weights)
     assert not [m for m in data["mismatches"] if m["method"].startswith("speculant")], data["mismatches"]
+    # a fixed γ: under "auto" a drafter as costly as the target (the same weights) rightly drafts little
     model_row = find(data["summary"], method=f"speculant model:{tiny['draft']}", category=ALL,
-                     temperature=0.0, batch_size=1, gamma="auto")[0]
+                     temperature=0.0, batch_size=1, gamma=2)[0]
     assert model_row["acceptance_rate"] == 1.0 and model_row["identical"] == "yes"
     for name in ("summary.csv", "records.csv"):
         with open(out / name) as f:
@@ -305,3 +306,10 @@ def test_cli_errors_exit_2_with_one_line(tiny, tmp_path, capsys):
     assert "unknown category gamma" in capsys.readouterr().err
     assert main(["bench", "--prompts", tiny["prompts"], "--drafters", "eagle", "--target", tiny["target"]]) == 2
     assert "unknown drafter" in capsys.readouterr().err
+
+
+def test_drafter_list_keeps_cascade_specs_whole():
+    from speculant.bench.cli import _drafter_list
+
+    assert _drafter_list("ngram,cascade:ngram,layerskip,model:x") == ["ngram", "cascade:ngram,layerskip", "model:x"]
+    assert _drafter_list("cascade:model:a,model:b") == ["cascade:model:a,model:b"]

@@ -1,8 +1,10 @@
 """The adaptive γ controller: its decision function on synthetic α and costs, and its bookkeeping."""
 import pytest
 
-from speculant.controller import (GammaController, RowAlpha, StaticCosts, VerifyTimes, choose_batch_gamma,
-                                  choose_gamma, expected_tokens)
+import random
+
+from speculant.controller import (CostModel, GammaController, RowAlpha, StaticCosts, VerifyTimes,
+                                  choose_batch_gamma, choose_gamma, expected_tokens)
 
 
 def flat(verify=1.0, draft=0.0):
@@ -114,3 +116,71 @@ def test_failed_retries_back_off():
     late = [g for g in chosen[200:] if g > 0]
     assert 1 <= len(late) <= 200 // 64, late  # waits grew from 16 to 128 passes
     assert all(g == 1 for g in late)
+
+
+def _run(ctl, passes, accept, verify_cost, draft_per_token=0.0, room=50):
+    """Drive a controller with a synthetic drafter: row accepts accept(caps) tokens; returns γs chosen."""
+    chosen = []
+    for _ in range(passes):
+        g, caps = ctl.choose(room=room)
+        chosen.append(g)
+        width = max(caps) + 1
+        ctl.observe(g, width, caps, accept(caps), draft_seconds=draft_per_token * g,
+                    verify_seconds=verify_cost(width))
+    return chosen
+
+
+def test_first_passes_measure_narrowest_and_widest_blocks():
+    ctl = GammaController(rows=1, gamma_max=8)
+    chosen = _run(ctl, 3, lambda caps: [0], lambda k: 1.0)
+    assert chosen == [0, 8, 4]
+
+
+def test_step_shaped_verify_cost_still_picks_a_long_draft():
+    # a CPU's cost curve: 2 tokens cost 1.6x one, 9 tokens barely more than 2. Interpolating from
+    # the narrow widths alone would predict 9 tokens at ~5x and never draft long (α = 0.7: γ = 8 pays 1.7x).
+    def cpu(k):
+        return 1.0 if k == 1 else 1.6 + 0.02 * (k - 2)
+
+    rng = random.Random(0)
+
+    def bernoulli(caps, alpha=0.7):  # each draft token accepted with probability α, up to the first miss
+        out = []
+        for c in caps:
+            n = 0
+            while n < c and rng.random() < alpha:
+                n += 1
+            out.append(n)
+        return out
+
+    chosen = _run(GammaController(rows=1, gamma_max=8), 200, bernoulli, cpu)
+    late = chosen[50:]
+    assert sum(g >= 5 for g in late) > 0.8 * len(late), late
+
+
+def test_costs_carry_over_to_the_next_request():
+    costs = CostModel()
+    _run(GammaController(rows=1, gamma_max=8, costs=costs), 10, lambda caps: list(caps), lambda k: 1.0 + 0.01 * k)
+    second = GammaController(rows=1, gamma_max=8, costs=costs)
+    assert second.choose(room=50)[0] >= 5  # no exploration (that would start at γ = 0): the prior α and the known costs decide at once
+
+
+def test_one_slow_draft_pass_does_not_ruin_the_draft_cost():
+    costs = CostModel()
+    costs.observe_draft(4, 0.4)  # 0.1 s per token
+    costs.observe_draft(4, 40.0)  # a pass that also prefilled the drafter
+    assert costs.draft_per_token < 0.2
+
+
+def test_an_expensive_retry_waits_long_and_the_next_request_remembers():
+    """A drafter whose retry (γ = 1) costs 5.6 plain passes and never hits: after a failed retry,
+    no retry for >= 32 x 4.6 passes (its extra cost), in this request and the next."""
+    costs = CostModel()
+    ctl = GammaController(rows=1, gamma_max=8, retry_every=16, costs=costs)
+    chosen = _run(ctl, 400, lambda caps: [0], lambda k: 1.0 if k == 1 else 1.6, draft_per_token=4.0)
+    retries = [i for i, g in enumerate(chosen) if g > 0][2:]  # after the exploration passes (γ = 8, 4)
+    assert len(retries) >= 2 and all(b - a >= 147 for a, b in zip(retries, retries[1:])), retries
+    assert costs.retry_extra == pytest.approx(4.6)
+    nxt = GammaController(rows=1, gamma_max=8, retry_every=16, costs=costs)
+    later = _run(nxt, 140, lambda caps: [0], lambda k: 1.0 if k == 1 else 1.6, draft_per_token=4.0)
+    assert not any(later), later

@@ -98,6 +98,34 @@ def test_greedy_identical_to_hf_generate(kind, gamma, batch, seed):
     assert total > 0, "the drafter never had a token accepted: this case tests nothing"
 
 
+@pytest.mark.parametrize("batch,gamma,seed", [(1, 3, 0), (4, 6, 0), (4, 2, 1)])
+def test_layerskip_sharing_the_target_cache_is_greedy_identical(batch, gamma, seed):
+    """On the fast path layerskip drafts inside the target's static cache (its K/V of the accepted
+    text, no cache of its own)."""
+    target = tiny_target(seed)
+    prompts = _prompts(seed)[:batch] if batch > 1 else [_prompts(seed)[1]]
+    refs = [hf_greedy(target, p, 40) for p in prompts]
+    drafter = LayerSkipDrafter(target, [1])
+    outs = speculant.generate(target, prompts, drafter=drafter, gamma=gamma, max_new_tokens=40, path="fast")
+    assert drafter.shared
+    for p, ref, out in zip(prompts, refs, outs):
+        assert out.token_ids == ref, mismatch_report(target, p, ref, out.token_ids)
+    assert sum(o.stats["accepted_draft_tokens"] for o in outs) > 0
+
+
+def test_layerskip_sharing_the_cache_with_no_layer_skipped_is_the_target():
+    """Skipping nothing, the shared-cache drafter is the target reading its own cache: every draft
+    token must be accepted (a wrong position, a stale slot or a missed rollback would lose some)."""
+    target = tiny_target(2)
+    drafter = LayerSkipDrafter(target, [])
+    prompts = _prompts(2)[:3]
+    outs = speculant.generate(target, prompts, drafter=drafter, gamma=5, max_new_tokens=30, path="fast")
+    assert drafter.shared
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(target, p, 30)
+        assert o.stats["acceptance_rate"] > 0.99, o.stats
+
+
 def test_greedy_with_repetition_penalty():
     target = tiny_target(4)
     for p in _prompts(4)[1:2]:
@@ -192,6 +220,16 @@ def test_sampling_matches_target_distribution(kind, params_name):
     counts, alpha = sample_counts(target, drafter, params, seed=1234)
     pvalue = fit_pvalue(counts, exact_distribution(target, params))
     assert pvalue > 1e-4, f"{kind} {params_name}: chi-square p-value {pvalue:.2e} (acceptance {alpha:.2f})"
+    assert 0.05 < alpha < 0.95, f"acceptance {alpha:.2f}: too extreme to exercise both accept and reject"
+
+
+def test_layerskip_sharing_the_cache_samples_the_target_distribution():
+    params = PARAMS["t=0.8,top_k=3,rep=1.3"]
+    target, drafter = sampling_setup("layerskip")
+    counts, alpha = sample_counts(target, drafter, params, seed=4321, path="fast")
+    assert drafter.shared
+    pvalue = fit_pvalue(counts, exact_distribution(target, params))
+    assert pvalue > 1e-4, f"chi-square p-value {pvalue:.2e} (acceptance {alpha:.2f})"
     assert 0.05 < alpha < 0.95, f"acceptance {alpha:.2f}: too extreme to exercise both accept and reject"
 
 

@@ -39,9 +39,9 @@ def exact_distribution(model, params):
     return probs.gather(2, seqs[..., None]).squeeze(2).prod(1).double()
 
 
-def sample_counts(target, drafter, params, seed):
+def sample_counts(target, drafter, params, seed, path="auto"):
     outs = speculant.generate(target, [PROMPT] * N, drafter=drafter, gamma=3, max_new_tokens=NEW, seed=seed,
-                              **params.__dict__)
+                              path=path, **params.__dict__)
     codes = torch.tensor([sum(t * V ** (NEW - 1 - i) for i, t in enumerate(o.token_ids)) for o in outs])
     accepted = sum(o.stats["accepted_draft_tokens"] for o in outs)
     drafted = sum(o.stats["draft_tokens"] for o in outs)

@@ -13,6 +13,19 @@ from .methods import AUTO
 QUICK_PER_CATEGORY, QUICK_MAX_NEW_TOKENS = 2, 32
 
 
+def _drafter_list(value: str) -> list[str]:
+    """Comma-separated drafter specs; ``cascade:A,B`` keeps its own comma."""
+    items, out = [v.strip() for v in value.split(",") if v.strip()], []
+    while items:
+        item = items.pop(0)
+        if item.startswith("cascade:") and "," not in item and items:
+            item += "," + items.pop(0)
+        out.append(item)
+    if not out:
+        raise argparse.ArgumentTypeError("--drafters: give a comma-separated list")
+    return out
+
+
 def _list(kind: str, parse):
     def convert(value: str):
         items = [v.strip() for v in value.split(",") if v.strip()]
@@ -54,10 +67,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         description="Spec-Bench-style benchmark: HF generate, HF assisted generation and speculant on the same "
                     "prompts in one process; writes JSON, CSV, a markdown table and plots.")
     b.add_argument("--target", default="default", help="'default', a model folder, or a .gguf file")
-    b.add_argument("--drafters", type=_list("--drafters", str), default=["ngram"],
+    b.add_argument("--drafters", type=_drafter_list, default=["ngram"],
                    help=f"comma list of drafters ({DRAFTER_HELP}); HF generate and speculant none always run")
     b.add_argument("--gamma", type=_list("--gamma", _gamma), default=[AUTO],
-                   help="γ values, e.g. 1,2,4,8,auto (auto = each drafter's default for now); several = a γ sweep")
+                   help="γ values, e.g. 1,2,4,8,auto (auto = the adaptive controller, chosen each pass); several = a γ sweep")
     b.add_argument("--temperature", type=_list("--temperature", _temperature), default=[0.0],
                    help="temperatures, e.g. 0,0.7,1.0; several = a temperature sweep")
     b.add_argument("--batch-size", type=_list("--batch-size", _batch), default=[1],
@@ -72,6 +85,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
     b.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
+    b.add_argument("--path", default="auto", choices=["auto", "fast", "general"],
+                   help="speculant's forward: auto (fast on CUDA), fast (static cache; layerskip then shares "
+                        "the target's cache), general")
+    b.add_argument("--no-chat-template", action="store_true", help="feed prompts as raw text (base models)")
     b.add_argument("--out", default=None, help="results folder (default: bench-out/<machine>-<date>)")
     b.add_argument("--quick", action="store_true",
                    help=f"smoke run: {QUICK_PER_CATEGORY} prompts per category, {QUICK_MAX_NEW_TOKENS} new tokens")
@@ -103,10 +120,11 @@ def cmd_bench(args) -> int:
         target=args.target, drafters=list(dict.fromkeys(args.drafters)), gammas=list(dict.fromkeys(args.gamma)),
         temperatures=list(dict.fromkeys(args.temperature)), batch_sizes=list(dict.fromkeys(args.batch_size)),
         max_new_tokens=max_new, repeats=repeats, warmup=args.warmup, seed=args.seed,
-        device=args.device, dtype=args.dtype)
+        device=args.device, dtype=args.dtype, path=args.path, chat_template=not args.no_chat_template)
     plan(config)  # bad drafter specs fail before any model is loaded
 
-    runner = MethodRunner(config.target, config.drafters, config.device, config.dtype)
+    runner = MethodRunner(config.target, config.drafters, config.device, config.dtype,
+                          chat_template=config.chat_template, path=config.path)
     machine = machine_info(runner.device)
     out_dir = Path(args.out) if args.out else Path("bench-out") / (
         f"{_slug(device_label(machine))}-{time.strftime('%Y%m%d-%H%M%S')}")

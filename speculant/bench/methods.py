@@ -142,23 +142,27 @@ class MethodRunner:
     """Holds the target, one speculant Generator per drafter and the HF assistant models."""
 
     def __init__(self, target: str = "default", drafters: list[str] = (), device=None, dtype=None,
-                 chat_template: bool = True):
-        base = load(target, drafter="none", device=device, dtype=dtype)
+                 chat_template: bool = True, path: str = "auto"):
+        base = load(target, drafter="none", device=device, dtype=dtype, path=path)
         self.target = base.target
         self.device = self.target.device
         self.chat_template = chat_template
         self.generators: dict[str, Generator] = {"none": base}
         self.assistants: dict[str, torch.nn.Module] = {}
+        self.assistant_tokenizers: dict[str, object] = {}  # drafters with another tokenizer
         for d in drafters:
             if d in self.generators:
                 continue
             drafter = make_drafter(d, self.target)
-            self.generators[d] = Generator(self.target, drafter)
+            self.generators[d] = Generator(self.target, drafter, path=path)
             if d.startswith("model:"):
                 # make_drafter's load is memoised: this is the very model speculant drafts with
                 from ..models.loading import load_model
 
-                self.assistants[d] = load_model(d[len("model:"):], device=self.device, dtype=self.target.model.dtype).model
+                loaded = load_model(d[len("model:"):], device=self.device, dtype=self.target.model.dtype)
+                self.assistants[d] = loaded.model
+                if _vocab(loaded.model) != _vocab(self.target.model):  # HF's universal assisted generation
+                    self.assistant_tokenizers[d] = loaded.tokenizer
         tok = self.target.tokenizer
         eos = self.target.eos_token_ids
         self.eos = eos
@@ -236,6 +240,9 @@ class MethodRunner:
                 kwargs["prompt_lookup_num_tokens"] = HF_PROMPT_LOOKUP_AUTO if gamma == AUTO else gamma
             else:
                 kwargs["assistant_model"] = self.assistants[method.drafter]
+                if method.drafter in self.assistant_tokenizers:
+                    kwargs.update(tokenizer=self.target.tokenizer,
+                                  assistant_tokenizer=self.assistant_tokenizers[method.drafter])
                 if gamma != AUTO:  # auto: HF's own heuristic schedule of assistant tokens
                     assistant = _constant_gamma(self.assistants[method.drafter], gamma)
         torch.manual_seed(seed)
@@ -247,6 +254,10 @@ class MethodRunner:
             rows.append({"token_ids": r[:cut], "new_tokens": cut, "target_forward_passes": calls.count,
                          "draft_tokens": None, "accepted_draft_tokens": None, "acceptance_by_position": None})
         return rows, {}
+
+
+def _vocab(model: torch.nn.Module) -> int:
+    return int(model.get_output_embeddings().weight.shape[0])
 
 
 @contextlib.contextmanager

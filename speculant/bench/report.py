@@ -226,7 +226,7 @@ def write_results(out_dir: Path, config, prompts, records: list[dict], summary: 
 
     settings = {k: v for k, v in vars(config).items()}
     settings["primary"] = {"gamma": p.gamma, "temperature": p.temperature, "batch_size": 1}
-    settings["gamma_auto_means"] = "each drafter's default γ (no adaptive controller yet)"
+    settings["gamma_auto_means"] = "speculant's adaptive controller (speculant/controller.py); HF's own schedule for HF assisted"
     files["json"] = out_dir / "results.json"
     with open(files["json"], "w") as f:
         json.dump({"machine": machine, "settings": settings,

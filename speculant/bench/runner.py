@@ -20,6 +20,8 @@ class BenchConfig:
     seed: int = 0
     device: str | None = None
     dtype: str | None = None
+    path: str = "auto"  # speculant's forward: auto | fast | general
+    chat_template: bool = True
 
     @property
     def primary(self) -> Setting:
@@ -91,7 +93,8 @@ def run_benchmark(config: BenchConfig, prompts: list[BenchPrompt], runner: Metho
 
     Calls are grouped by (temperature, batch size); within a group every prompt batch is run by
     all methods back to back, in an order rotated per batch and repeat so drift favours none."""
-    runner = runner or MethodRunner(config.target, config.drafters, config.device, config.dtype)
+    runner = runner or MethodRunner(config.target, config.drafters, config.device, config.dtype,
+                                    chat_template=config.chat_template, path=config.path)
     pairs = plan(config)
     ids = {p.id: runner.encode(p) for p in prompts}
     groups: dict[tuple, list] = {}

@@ -26,10 +26,14 @@ class DraftContext:
     device: torch.device
     vocab_size: int  # the target's: q must have this width
     max_tokens: int | None = None  # an upper bound on any row's length (sizes static caches)
+    target_state: object | None = None  # the target's KV state, for a drafter that shares it (layerskip)
 
 
 class Drafter(ABC):
     name: str = "drafter"
+    # seconds of the last ``propose`` spent on one-off catch-up (a lazy prompt prefill): gamma="auto"
+    # leaves them out of the drafter's per-token cost
+    catchup_seconds: float = 0.0
 
     @abstractmethod
     def start(self, ctx: DraftContext) -> None:

@@ -19,6 +19,8 @@ argmax, B's emitted stream is B's greedy continuation, and the target's greedy c
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..models.kv import KVState
@@ -42,14 +44,30 @@ class CascadeDrafter(Drafter):
     def start(self, ctx: DraftContext) -> None:
         self.ctx = ctx
         self.state = KVState(self.middle, len(ctx.prompts))
-        tokens, valid = left_pad(ctx.prompts, ctx.device)
-        self.state.append(tokens, valid, last_only=True)
-        self.to_feed: list[list[int]] = [[] for _ in ctx.prompts]
+        # lazy, as ModelDrafter: B reads the prompt at the first proposal, so a request that never
+        # drafts never pays for B's prefill
+        self.to_feed: list[list[int]] = [list(p) for p in ctx.prompts]
+        self.prefilled = False
         self.block_start: torch.Tensor | None = None  # B's valid tokens per row before this pass's block
         params = ctx.processing.params
         self.history = TokenHistory(ctx.prompts, ctx.vocab_size, ctx.device, params) if params.uses_context else None
         self.inner.start(ctx)
         self.inner_pending = False  # whether A made a proposal this pass
+
+    def _prefill(self) -> None:
+        """First proposal: feed B all but each row's newest token, timed as a one-off catch-up."""
+        self.catchup_seconds = 0.0
+        if self.prefilled:
+            return
+        t0 = time.perf_counter()
+        tokens, valid = left_pad([f[:-1] for f in self.to_feed], self.ctx.device)
+        if tokens.shape[1]:
+            self.state.append(tokens, valid, last_only=True)
+        if self.ctx.device.type == "cuda":
+            torch.cuda.synchronize(self.ctx.device)
+        self.catchup_seconds = time.perf_counter() - t0
+        self.to_feed = [f[-1:] for f in self.to_feed]
+        self.prefilled = True
 
     def _probs_or_scores(self, logits, context):
         proc = self.ctx.processing
@@ -60,6 +78,7 @@ class CascadeDrafter(Drafter):
         ctx, proc = self.ctx, self.ctx.processing
         greedy = proc.params.greedy
         B, dev = len(self.to_feed), ctx.device
+        self._prefill()
         feed, feed_valid = left_pad(self.to_feed, dev)
         self.block_start = self.state.lengths()
 
@@ -67,6 +86,7 @@ class CascadeDrafter(Drafter):
         g = gamma - 1
         if g > 0:
             inner = self.inner.propose(g)
+            self.catchup_seconds += self.inner.catchup_seconds
             drafts, draft_len, q_inner = inner.tokens, inner.lengths, inner.probs
             self.inner_pending = True
         else:

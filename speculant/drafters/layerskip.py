@@ -2,10 +2,14 @@
 the full target verifies (Zhang et al. 2023 "Draft & Verify"; Elhoushi et al. 2024 "LayerSkip").
 
 No extra weights: the drafter runs the target's own modules (embeddings, the kept decoder layers,
-final norm, LM head). It keeps its own small KV cache for the kept layers (a KVState like any
-model drafter), so it is exactly a ``ModelDrafter`` over a partial forward of the target. The
-target's KV of the layers that run in both is *not* shared (the drafter's kept layers see the
-outputs of other kept layers, not of the full stack, so their KV differs anyway past layer 0).
+final norm, LM head). When the target runs on the fast path it also shares the target's KV cache:
+each draft step runs the kept layers *in the target's static cache*, reading the full model's K/V
+of the accepted text (as Draft & Verify does: no drafter prefill, no second cache, nothing to catch
+up on after a pass where it did not draft) and writing its own K/V for the draft positions past
+the target's pointer; the pointer is then put back, and the verify pass overwrites exactly those
+slots in every layer before any query reads them, so the target's cache stays what a fresh prefill
+gives. On the general path it is a ``ModelDrafter`` over a partial forward of the target, with
+its own small KV cache for the kept layers.
 
 Specs: ``layerskip`` (the skip set saved by ``speculant tune-layerskip`` for this target if
 there is one, else a built-in default), ``layerskip:FILE.json``, ``layerskip:A-B:S`` (skip
@@ -21,6 +25,9 @@ from types import SimpleNamespace
 import torch
 
 from ..errors import SpeculantError
+from ..models.fast import StaticKVState
+from ..sampling import TokenHistory
+from .base import DraftContext, Proposal
 from .model import ModelDrafter
 
 # Decoder layers of these families take (hidden, attention_mask, position_embeddings, ...) with
@@ -158,9 +165,12 @@ def parse_skip_spec(spec: str, n: int, target_name: str = "") -> tuple[list[int]
 
 
 class LayerSkipDrafter(ModelDrafter):
-    """A ModelDrafter over the target's own partial forward (its q is processed like every drafter's)."""
+    """The target's own partial forward as a drafter (its q is processed like every drafter's): in
+    the target's static cache when the engine gives it one (``shared``), else a ModelDrafter with
+    its own cache."""
 
     name = "layerskip"
+    follows_target_path = False  # its own partial forward is general-path only; on the fast path it shares the target's cache
 
     def __init__(self, target_model: torch.nn.Module, skip_layers: list[int], label: str = ""):
         super().__init__(SkipLayersModel(target_model, skip_layers), label=label)
@@ -169,3 +179,49 @@ class LayerSkipDrafter(ModelDrafter):
     def describe(self) -> str:
         n = len(self.model.keep) + len(self.skip_layers)
         return f"layerskip:{self.label or 'custom'}({len(self.model.keep)}/{n} layers)"
+
+    def start(self, ctx: DraftContext) -> None:
+        state = ctx.target_state
+        self.shared = isinstance(state, StaticKVState) and state.fast.hf_model is self.model.causal_lm
+        if not self.shared:
+            return super().start(ctx)
+        self.ctx, self.target_state, self.last = ctx, state, None
+        params = ctx.processing.params
+        self.history = TokenHistory(ctx.prompts, ctx.vocab_size, ctx.device, params) if params.uses_context else None
+
+    @torch.no_grad()
+    def propose(self, gamma: int) -> Proposal:
+        if not self.shared:
+            return super().propose(gamma)
+        proc, state, dev = self.ctx.processing, self.target_state, self.ctx.device
+        start = state.lengths()
+        tok = torch.tensor(self.last, dtype=torch.long, device=dev)[:, None]  # the pending token: not cached yet
+        drafts = torch.zeros(tok.shape[0], gamma, dtype=torch.long, device=dev)
+        probs = None if proc.params.greedy else []
+        try:
+            for j in range(gamma):
+                logits = state.append(tok, last_only=True, layers=self.model.keep)[:, -1]
+                context = self.history.after(drafts[:, :j]) if self.history is not None else None
+                picked, q = proc.pick(logits, context, self.ctx.generator)
+                drafts[:, j] = picked
+                if probs is not None:
+                    probs.append(q)
+                tok = picked[:, None]
+        finally:
+            state.rollback(start)  # the verify pass rewrites these slots in every layer
+        lengths = torch.full((tok.shape[0],), gamma, dtype=torch.long, device=dev)
+        return Proposal(drafts, lengths, torch.stack(probs, 1) if probs else None)
+
+    def update(self, new_tokens, n_accepted) -> None:
+        if not self.shared:
+            return super().update(new_tokens, n_accepted)
+        self.last = [toks[-1] for toks in new_tokens]
+        if self.history is not None:
+            self.history.extend(new_tokens)
+
+    def select(self, rows) -> None:
+        if not self.shared:
+            return super().select(rows)
+        self.last = [self.last[r] for r in rows]
+        if self.history is not None:
+            self.history.select(rows)

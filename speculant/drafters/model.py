@@ -1,9 +1,11 @@
 """``model:PATH``: a smaller causal LM with the target's tokenizer drafts with its own KV cache.
 
-Each pass it first feeds the tokens the target accepted since its last proposal, then drafts γ
-tokens one at a time, each from the same processed distribution (q) the verifier will use.
+Each pass it first feeds the tokens the target accepted since its last proposal (the whole prompt
+the first time), then drafts γ tokens one at a time, each from the same processed distribution (q) the verifier will use.
 """
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -37,6 +39,7 @@ def fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
 
 class ModelDrafter(Drafter):
     name = "model"
+    follows_target_path = True  # Generator gives it the target's path (fast/general)
 
     def __init__(self, model: torch.nn.Module, label: str = "model", backend: Backend | None = None):
         self.model = model
@@ -50,9 +53,10 @@ class ModelDrafter(Drafter):
         self.ctx = ctx
         longest = max(len(p) for p in ctx.prompts)
         self.state = self.backend.new_state(len(ctx.prompts), ctx.max_tokens or longest + 4096)
-        tokens, valid = left_pad(ctx.prompts, ctx.device)
-        self.state.append(tokens, valid, last_only=True)
-        self.to_feed: list[list[int]] = [[] for _ in ctx.prompts]
+        # lazy: the prompt is fed with the first proposal, so a request that never drafts
+        # (gamma="auto" found it would not pay) never pays for the drafter's prefill
+        self.to_feed: list[list[int]] = [list(p) for p in ctx.prompts]
+        self.prefilled = False
         self.block_start: torch.Tensor | None = None
         self.fed_drafts: list[list[int]] = [[] for _ in ctx.prompts]
         params = ctx.processing.params
@@ -62,7 +66,14 @@ class ModelDrafter(Drafter):
     def propose(self, gamma: int) -> Proposal:
         proc, params = self.ctx.processing, self.ctx.processing.params
         tokens, valid = left_pad(self.to_feed, self.ctx.device)
+        t0 = time.perf_counter()
         logits = self.state.append(tokens, valid, last_only=True)[:, -1]
+        if not self.prefilled:  # the prompt, fed lazily: a one-off, not what a draft token costs
+            if self.ctx.device.type == "cuda":
+                torch.cuda.synchronize(self.ctx.device)
+            self.catchup_seconds, self.prefilled = time.perf_counter() - t0, True
+        else:
+            self.catchup_seconds = 0.0
         self.block_start = self.state.lengths()
         B = tokens.shape[0]
         drafts = torch.zeros(B, gamma, dtype=torch.long, device=self.ctx.device)
