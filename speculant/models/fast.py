@@ -90,7 +90,9 @@ def decoder_layer(h, cos, sin, mask, idx, k_cache, v_cache, w: dict, n_heads: in
     k = k * cos + _rotate_half(k) * sin
     k_cache.scatter_(2, idx, k)
     v_cache.scatter_(2, idx, v)
-    o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, scale=scaling, enable_gqa=n_kv != n_heads)
+    # mask None: a one-token step over exactly the live cache, or a causal prefill from position 0
+    o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, is_causal=mask is None and T > 1,
+                                       scale=scaling, enable_gqa=n_kv != n_heads)
     h = h + _linear(o.transpose(1, 2).reshape(B, T, -1), w, "o")
     x = _rms_norm(h, w["ln2"], eps)
     return h + _linear(F.silu(_linear(x, w, "gate")) * _linear(x, w, "up"), w, "down")
@@ -152,19 +154,24 @@ class FastLlama:
         ``layers``: run only these decoder layers (self-speculation); None = all."""
         B, w = tokens.shape
         S = keys[0].shape[2]
+        plain = False  # no mask: SDPA's causal prefill or one-token step, the very call HF makes
         if tokens.device.type == "cpu":
             # attend over the live part of the cache only (a view): attention work follows the text's
             # length, not the cache's size. On GPU shapes stay static for CUDA graphs.
-            S = min(S, -(-(int(positions.max()) + 1) // 64) * 64)
+            end = int(positions.max()) + 1
+            plain = B == 1 and (w == 1 or w == end) and int(positions[0, 0]) == end - w
+            S = min(S, end if plain else -(-end // 64) * 64)
             keys, values = [k[:, :, :S] for k in keys], [v[:, :, :S] for v in values]
         h = self.embed(tokens)
         freqs = positions[..., None].float() * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.rope_scale).to(h.dtype)[:, None]
         sin = (emb.sin() * self.rope_scale).to(h.dtype)[:, None]
-        visible = torch.arange(S, device=tokens.device)[None, None, None, :] <= positions[:, None, :, None]
-        # an additive float mask: several times faster than a boolean one in CPU SDPA kernels
-        mask = torch.zeros(visible.shape, dtype=h.dtype, device=h.device).masked_fill(~visible, float("-inf"))
+        mask = None
+        if not plain:
+            visible = torch.arange(S, device=tokens.device)[None, None, None, :] <= positions[:, None, :, None]
+            # an additive float mask: several times faster than a boolean one in CPU SDPA kernels
+            mask = torch.zeros(visible.shape, dtype=h.dtype, device=h.device).masked_fill(~visible, float("-inf"))
         idx = write_at[:, None, :, None].expand(B, self.n_kv, w, self.head_dim)
         for i in range(self.n_layers) if layers is None else layers:
             h = self.layer_fn(h, cos, sin, mask, idx, keys[i], values[i], self.weights[i], self.n_heads, self.n_kv,
