@@ -68,8 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
     g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32 on CPU, bfloat16 on GPU)")
     g.add_argument("--path", default="auto", choices=["auto", "fast", "general"],
-                   help="fast = static KV cache + own Llama forward (default on CUDA); general = any HF model")
-    g.add_argument("--compile", action="store_true", help="torch.compile the fast path (slow to start, faster after)")
+                   help="fast = static KV cache + own Llama forward (default on CUDA and with --compile); "
+                        "general = any HF model")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the fast path (seconds to minutes to start, faster after; "
+                        "on CPU in bf16 the text may differ from HF's at near-ties)")
     g.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--json-schema", default=None, metavar="FILE",

@@ -183,3 +183,18 @@ def test_bfloat16_fast_path_with_prepacked_weights_matches_hf_bfloat16(kind, gam
     outs = gen.generate_ids(prompts, max_new_tokens=30)
     for p, ref, out in zip(prompts, refs, outs):
         assert out.token_ids == ref, mismatch_report(target, p, ref, out.token_ids)
+
+
+@pytest.mark.parametrize("kind,batch", [("none", 1), ("ngram", 1), ("model", 4)])
+def test_compiled_fast_path_greedy_identical_to_hf_generate(kind, batch):
+    """``compile=True`` on CPU: the decoder layer runs as torch.compile'd C++ kernels; in float32 the
+    greedy text still equals HF generate's (decode steps, verify blocks, the prefill, a batch)."""
+    target = tiny_llama(4)
+    prompts = _prompts(4)[:batch] if batch > 1 else [_prompts(4)[1]]
+    refs = [hf_greedy(target, p, 30) for p in prompts]
+    gen = speculant.Generator(speculant.models.LoadedModel(target, None, "tiny"), _drafter(kind, target, 4),
+                              gamma=3, path="fast", compile=True)
+    assert gen.backend.name == "fast+compiled"
+    outs = gen.generate_ids(prompts, max_new_tokens=30)
+    for p, ref, out in zip(prompts, refs, outs):
+        assert out.token_ids == ref, mismatch_report(target, p, ref, out.token_ids)

@@ -268,9 +268,12 @@ def end_to_end(target_spec: str, device, dtype, n=128, per_category=2, gamma=5, 
     methods = {
         "hf_generate": None,
         "hf_prompt_lookup": None,
-        "speculant_none": Generator(lm, NoDrafter(), 1, path="fast", compile=compile),
-        "speculant_ngram": Generator(lm, NgramDrafter(), gamma, path="fast", compile=compile),
+        "speculant_none": Generator(lm, NoDrafter(), 1, path="fast", compile=compile and device.type == "cuda"),
+        "speculant_ngram": Generator(lm, NgramDrafter(), gamma, path="fast", compile=compile and device.type == "cuda"),
     }
+    if compile and device.type == "cpu":  # on CPU the compiled rows sit beside the eager ones
+        methods["speculant_none_compiled"] = Generator(lm, NoDrafter(), 1, path="fast", compile=True)
+        methods["speculant_ngram_compiled"] = Generator(lm, NgramDrafter(), gamma, path="fast", compile=True)
     ids = [Generator(lm, NoDrafter(), 1).encode(p) for _, p in prompts]
     records = []
 
@@ -349,7 +352,8 @@ def main(argv=None) -> int:
     ap.add_argument("--target-shape", default="llama-8b")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--out", default="bench-out/costs")
-    ap.add_argument("--compile", action="store_true", help="torch.compile the fast path's decoder layer")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the fast path's decoder layer (on CPU: "
+                    "compiled end-to-end rows beside the eager ones)")
     ap.add_argument("--e2e", default=None, help="a real target (e.g. default or a .gguf) for end-to-end rows")
     ap.add_argument("--e2e-per-category", type=int, default=2)
     ap.add_argument("--e2e-tokens", type=int, default=128)

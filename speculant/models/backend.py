@@ -14,7 +14,7 @@ PATHS = ("auto", "fast", "general")
 class Backend:
     """Makes KV states for one model.
 
-    path: auto (fast on CUDA when the architecture is supported), fast, general.
+    path: auto (fast on CUDA or with compile, when the architecture is supported), fast, general.
     graphs: on CUDA, replay the fast forward as CUDA graphs (default on with the fast path there).
     compile: wrap the fast forward in torch.compile (the CPU's equivalent: fused C++ kernels).
     """
@@ -26,7 +26,8 @@ class Backend:
         self.model = model
         device = next(model.parameters()).device
         ok, why = supports(model)
-        want_fast = path == "fast" or (path == "auto" and device.type == "cuda")
+        # auto: fast on CUDA, and wherever compiling was asked for (it compiles the fast path only)
+        want_fast = path == "fast" or (path == "auto" and (device.type == "cuda" or compile))
         if want_fast and not ok and not quiet:
             print(f"speculant: {why}; using the general path", file=sys.stderr)
         self.fast = FastLlama(model, compile=compile) if want_fast and ok else None

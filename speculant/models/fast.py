@@ -15,6 +15,8 @@ qwen2, smollm): see ``supports``. Anything else runs on the general path (``KVSt
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -70,13 +72,24 @@ class PackedLinear:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
+@contextlib.contextmanager
+def _onednn_disabled():
+    """aten's matmuls skip oneDNN meanwhile (torch.backends.mkldnn.flags, without its side warnings)."""
+    was = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(was)
+
+
 def _linear(x, w: dict, name: str):
     packed = w.get(name + "_packed")
     return packed(x) if packed is not None else F.linear(x, w[name], w.get(name + "_bias"))
 
 
 def decoder_layer(h, cos, sin, mask, idx, k_cache, v_cache, w: dict, n_heads: int, n_kv: int, head_dim: int,
-                  eps: float, scaling: float):
+                  eps: float, scaling: float, causal: bool = False, gqa: bool = False):
     """One Llama decoder layer over a block of w tokens, writing its K/V into the static cache.
 
     A pure function of tensors (weights passed in), so ``torch.compile`` compiles it once and every
@@ -90,9 +103,9 @@ def decoder_layer(h, cos, sin, mask, idx, k_cache, v_cache, w: dict, n_heads: in
     k = k * cos + _rotate_half(k) * sin
     k_cache.scatter_(2, idx, k)
     v_cache.scatter_(2, idx, v)
-    # mask None: a one-token step over exactly the live cache, or a causal prefill from position 0
-    o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, is_causal=mask is None and T > 1,
-                                       scale=scaling, enable_gqa=n_kv != n_heads)
+    # mask None: a one-token step over exactly the live cache, or (causal) a prefill from position 0
+    o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, is_causal=causal,
+                                       scale=scaling, enable_gqa=gqa)
     h = h + _linear(o.transpose(1, 2).reshape(B, T, -1), w, "o")
     x = _rms_norm(h, w["ln2"], eps)
     return h + _linear(F.silu(_linear(x, w, "gate")) * _linear(x, w, "up"), w, "down")
@@ -111,6 +124,7 @@ class FastLlama:
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.eps = cfg.rms_norm_eps
+        self.gqa = self.n_kv != self.n_heads  # a plain bool: torch.compile would make a SymBool of the ints
         self.embed = inner.embed_tokens
         self.weights = []
         for layer in inner.layers:
@@ -132,15 +146,25 @@ class FastLlama:
         self.device, self.dtype = p.device, p.dtype
         # CPU + bf16: prepack every matmul weight for oneDNN (a second copy of the weights: for a
         # model that fits a laptop's memory twice, the 2-3x faster matmuls are worth it)
+        cpu = self.device.type == "cpu"
         if pack is None:
-            pack = self.device.type == "cpu" and self.dtype == torch.bfloat16 and not compile
-        self.packed = bool(pack) and self.device.type == "cpu" and onednn_packing_available()
+            pack = cpu and self.dtype == torch.bfloat16
+        self.packed = bool(pack) and cpu and onednn_packing_available()
+        self.plain_weights = self.weights
         if self.packed:
+            self.weights = [dict(w) for w in self.weights]
             for w in self.weights:
                 for name in ("q", "k", "v", "o", "gate", "up", "down"):
                     w[name + "_packed"] = PackedLinear(w[name], w.get(name + "_bias"))
         self.head = PackedLinear(self.lm_head.weight) if self.packed and self.lm_head.bias is None else self.lm_head
         self.layer_fn = torch.compile(decoder_layer, dynamic=True) if compile else decoder_layer
+        # compiled on CPU in bf16: one-token steps run the compiled layer over the unpacked weights
+        # with PyTorch's own bf16 GEMV (fp32 accumulation), which streams these small matrices about
+        # twice as fast as oneDNN; wider blocks keep the eager packed oneDNN matmuls, whose cost is
+        # flat in the block width. The GEMV rounds otherwise than HF's oneDNN matmuls, so greedy text
+        # can differ from HF bf16 at near-ties (a few bf16 steps); uncompiled, it is bit for bit HF's.
+        # (The oneDNN switch is process-wide while a step runs: generation is not run concurrently.)
+        self.native_gemv = bool(compile) and self.packed
 
     def new_cache(self, batch: int, size: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         shape = (batch, self.n_kv, size, self.head_dim)
@@ -162,23 +186,33 @@ class FastLlama:
             plain = B == 1 and (w == 1 or w == end) and int(positions[0, 0]) == end - w
             S = min(S, end if plain else -(-end // 64) * 64)
             keys, values = [k[:, :, :S] for k in keys], [v[:, :, :S] for v in values]
+        mask = None
+        if not plain:
+            visible = torch.arange(S, device=tokens.device)[None, None, None, :] <= positions[:, None, :, None]
+            # an additive float mask: several times faster than a boolean one in CPU SDPA kernels
+            mask = torch.zeros(visible.shape, dtype=self.dtype, device=tokens.device).masked_fill(~visible, float("-inf"))
+        idx = write_at[:, None, :, None].expand(B, self.n_kv, w, self.head_dim)
+        causal = mask is None and w > 1  # a prefill from position 0
+        if self.native_gemv and w == 1 and layers is None:
+            with _onednn_disabled():
+                return self._body(tokens, positions, idx, keys, values, mask, last_only, causal, packed=False)
+        return self._body(tokens, positions, idx, keys, values, mask, last_only, causal, layers)
+
+    def _body(self, tokens, positions, idx, keys, values, mask, last_only: bool, causal: bool, layers=None,
+              packed: bool = True):
         h = self.embed(tokens)
         freqs = positions[..., None].float() * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.rope_scale).to(h.dtype)[:, None]
         sin = (emb.sin() * self.rope_scale).to(h.dtype)[:, None]
-        mask = None
-        if not plain:
-            visible = torch.arange(S, device=tokens.device)[None, None, None, :] <= positions[:, None, :, None]
-            # an additive float mask: several times faster than a boolean one in CPU SDPA kernels
-            mask = torch.zeros(visible.shape, dtype=h.dtype, device=h.device).masked_fill(~visible, float("-inf"))
-        idx = write_at[:, None, :, None].expand(B, self.n_kv, w, self.head_dim)
+        weights = self.weights if packed else self.plain_weights
+        layer_fn = decoder_layer if self.native_gemv and packed else self.layer_fn  # packed: eager oneDNN
         for i in range(self.n_layers) if layers is None else layers:
-            h = self.layer_fn(h, cos, sin, mask, idx, keys[i], values[i], self.weights[i], self.n_heads, self.n_kv,
-                              self.head_dim, self.eps, self.scaling)
+            h = layer_fn(h, cos, sin, mask, idx, keys[i], values[i], weights[i], self.n_heads, self.n_kv,
+                         self.head_dim, self.eps, self.scaling, causal, self.gqa)
         if last_only:
             h = h[:, -1:]
-        return self.head(_rms_norm(h, self.norm.weight, self.eps))
+        return (self.head if packed else self.lm_head)(_rms_norm(h, self.norm.weight, self.eps))
 
 
 class StaticKVState:
