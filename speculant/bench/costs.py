@@ -265,11 +265,12 @@ def end_to_end(target_spec: str, device, dtype, n=128, per_category=2, gamma=5, 
     lm = load_model(target_spec, device=device, dtype=dtype)
     model, eos = lm.model, lm.eos_token_ids
     prompts = bench_prompts(per_category)
+    gpu_compile = compile and device.type == "cuda"
     methods = {
         "hf_generate": None,
         "hf_prompt_lookup": None,
-        "speculant_none": Generator(lm, NoDrafter(), 1, path="fast", compile=compile and device.type == "cuda"),
-        "speculant_ngram": Generator(lm, NgramDrafter(), gamma, path="fast", compile=compile and device.type == "cuda"),
+        "speculant_none": Generator(lm, NoDrafter(), 1, path="fast", compile=gpu_compile),
+        "speculant_ngram": Generator(lm, NgramDrafter(), gamma, path="fast", compile=gpu_compile),
     }
     if compile and device.type == "cpu":  # on CPU the compiled rows sit beside the eager ones
         methods["speculant_none_compiled"] = Generator(lm, NoDrafter(), 1, path="fast", compile=True)

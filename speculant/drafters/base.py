@@ -1,12 +1,20 @@
 """The drafter interface: the engine talks to every drafter through these four methods only."""
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 
 from ..sampling import LogitsProcessing
+
+
+def seconds_since(t0: float, device: torch.device) -> float:
+    """Wall seconds since ``t0`` (a ``time.perf_counter()``) once the device's queued work is done."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
 
 
 @dataclass

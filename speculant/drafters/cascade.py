@@ -26,7 +26,7 @@ import torch
 from ..models.kv import KVState
 from ..sampling import TokenHistory
 from ..verify import greedy_verify, sample_verify
-from .base import DraftContext, Drafter, Proposal
+from .base import DraftContext, Drafter, Proposal, seconds_since
 from .model import fit_vocab, left_pad
 
 
@@ -63,9 +63,7 @@ class CascadeDrafter(Drafter):
         tokens, valid = left_pad([f[:-1] for f in self.to_feed], self.ctx.device)
         if tokens.shape[1]:
             self.state.append(tokens, valid, last_only=True)
-        if self.ctx.device.type == "cuda":
-            torch.cuda.synchronize(self.ctx.device)
-        self.catchup_seconds = time.perf_counter() - t0
+        self.catchup_seconds = seconds_since(t0, self.ctx.device)
         self.to_feed = [f[-1:] for f in self.to_feed]
         self.prefilled = True
 

@@ -193,24 +193,17 @@ class LayerSkipDrafter(ModelDrafter):
     def propose(self, gamma: int) -> Proposal:
         if not self.shared:
             return super().propose(gamma)
-        proc, state, dev = self.ctx.processing, self.target_state, self.ctx.device
+        state = self.target_state
         start = state.lengths()
-        tok = torch.tensor(self.last, dtype=torch.long, device=dev)[:, None]  # the pending token: not cached yet
-        drafts = torch.zeros(tok.shape[0], gamma, dtype=torch.long, device=dev)
-        probs = None if proc.params.greedy else []
+        pending = torch.tensor(self.last, dtype=torch.long, device=self.ctx.device)[:, None]  # not cached yet
+
+        def step(tok):
+            return state.append(tok, last_only=True, layers=self.model.keep)[:, -1]
+
         try:
-            for j in range(gamma):
-                logits = state.append(tok, last_only=True, layers=self.model.keep)[:, -1]
-                context = self.history.after(drafts[:, :j]) if self.history is not None else None
-                picked, q = proc.pick(logits, context, self.ctx.generator)
-                drafts[:, j] = picked
-                if probs is not None:
-                    probs.append(q)
-                tok = picked[:, None]
+            return self._draft(step(pending), gamma, step)
         finally:
             state.rollback(start)  # the verify pass rewrites these slots in every layer
-        lengths = torch.full((tok.shape[0],), gamma, dtype=torch.long, device=dev)
-        return Proposal(drafts, lengths, torch.stack(probs, 1) if probs else None)
 
     def update(self, new_tokens, n_accepted) -> None:
         if not self.shared:

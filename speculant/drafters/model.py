@@ -11,7 +11,7 @@ import torch
 
 from ..models.backend import Backend
 from ..sampling import TokenHistory
-from .base import DraftContext, Drafter, Proposal
+from .base import DraftContext, Drafter, Proposal, seconds_since
 
 
 def left_pad(rows: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,20 +64,23 @@ class ModelDrafter(Drafter):
 
     @torch.no_grad()
     def propose(self, gamma: int) -> Proposal:
-        proc, params = self.ctx.processing, self.ctx.processing.params
         tokens, valid = left_pad(self.to_feed, self.ctx.device)
         t0 = time.perf_counter()
         logits = self.state.append(tokens, valid, last_only=True)[:, -1]
-        if not self.prefilled:  # the prompt, fed lazily: a one-off, not what a draft token costs
-            if self.ctx.device.type == "cuda":
-                torch.cuda.synchronize(self.ctx.device)
-            self.catchup_seconds, self.prefilled = time.perf_counter() - t0, True
-        else:
-            self.catchup_seconds = 0.0
+        # the prompt, fed lazily: a one-off, not what a draft token costs
+        self.catchup_seconds = 0.0 if self.prefilled else seconds_since(t0, self.ctx.device)
+        self.prefilled = True
         self.block_start = self.state.lengths()
-        B = tokens.shape[0]
+        self.fed = gamma - 1 if gamma > 0 else 0
+        return self._draft(logits, gamma, lambda tok: self.state.append(tok)[:, -1])
+
+    def _draft(self, logits: torch.Tensor, gamma: int, step) -> Proposal:
+        """γ tokens, each picked from the processed distribution of the logits before it (q);
+        ``step`` feeds a picked token [B, 1] and returns the next logits [B, V]."""
+        proc = self.ctx.processing
+        B = logits.shape[0]
         drafts = torch.zeros(B, gamma, dtype=torch.long, device=self.ctx.device)
-        probs = [] if not params.greedy else None
+        probs = [] if not proc.params.greedy else None
         for j in range(gamma):
             logits = fit_vocab(logits, self.ctx.vocab_size)
             context = self.history.after(drafts[:, :j]) if self.history is not None else None
@@ -86,9 +89,8 @@ class ModelDrafter(Drafter):
             if probs is not None:
                 probs.append(q)
             if j < gamma - 1:
-                logits = self.state.append(tok[:, None])[:, -1]
+                logits = step(tok[:, None])
         lengths = torch.full((B,), gamma, dtype=torch.long, device=self.ctx.device)
-        self.fed = gamma - 1 if gamma > 0 else 0
         return Proposal(drafts, lengths, torch.stack(probs, 1) if probs else None)
 
     def update(self, new_tokens, n_accepted) -> None:
