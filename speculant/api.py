@@ -10,7 +10,8 @@ from .drafters import Drafter, ModelDrafter, make_drafter, validate_drafter_spec
 from .engine import Engine, Request, Row
 from .errors import SpeculantError
 from .models.backend import PATHS, Backend
-from .models.loading import LoadedModel, load_model
+from .models.cpu_choice import choose as choose_cpu_dtype
+from .models.loading import LoadedModel, load_model, resolve_device
 from .sampling import SamplingParams
 
 GAMMA_AUTO = "auto"  # the default: chosen each pass from measured acceptance and costs (controller.py)
@@ -70,13 +71,13 @@ class Generator:
     """A target model with a drafter, ready to generate."""
 
     def __init__(self, target: LoadedModel, drafter: Drafter, gamma: int | str | None = None, path: str = "auto",
-                 compile: bool = False):
+                 compile: bool = False, kernels: str | None = None):
         self.target = target
         self.drafter = drafter
         self.gamma = check_gamma(gamma) if gamma is not None else GAMMA_AUTO
         if isinstance(drafter, ModelDrafter) and drafter.follows_target_path:  # the drafter takes the target's path
-            drafter.backend = Backend(drafter.model, path, compile)
-        self.backend = Backend(target.model, path, compile)
+            drafter.backend = Backend(drafter.model, path, compile, kernels=kernels)
+        self.backend = Backend(target.model, path, compile, kernels=kernels)
         self.engine = Engine(target.model, drafter, target.eos_token_ids, target.context_length, self.backend)
 
     @property
@@ -183,7 +184,10 @@ def load(target: str = "default", drafter: str | Drafter | None = None, gamma: i
          device: str | None = None, dtype: str | None = None, path: str = "auto", compile: bool = False) -> Generator:
     """Load a target ("default" | model folder | .gguf) and a drafter ("none" | "ngram" | "model:PATH").
 
-    path: "auto" (the static-cache fast path on CUDA for Llama-family models), "fast" or "general".
+    dtype: "auto" (default): bfloat16 on CUDA; on a CPU the dtype and path that measure fastest on
+    this machine among the exact ones (models/cpu_choice.py: measured once, cached).
+    path: "auto" (the static-cache fast path on CUDA, with compile, or where dtype "auto" chose it),
+    "fast" or "general".
     compile: torch.compile the fast path's forward (worth it for long runs; compiling takes a while).
     """
     if path not in PATHS:
@@ -191,9 +195,18 @@ def load(target: str = "default", drafter: str | Drafter | None = None, gamma: i
     if gamma is not None:
         check_gamma(gamma)
     validate_drafter_spec(drafter or DEFAULT_DRAFTER)  # bad input fails before any model work
-    tgt = load_model(target, device=device, dtype=dtype)
+    dev = resolve_device(device)
+    choice = None
+    if dev.type == "cpu" and dtype in (None, "", "auto"):
+        choice = choose_cpu_dtype(target)
+        dtype = choice.dtype
+        path = choice.path if path == "auto" else path
+    tgt = load_model(target, device=dev, dtype=dtype)
     d = make_drafter(drafter or DEFAULT_DRAFTER, tgt)
-    return Generator(tgt, d, gamma, path, compile)
+    gen = Generator(tgt, d, gamma, path, compile)
+    if choice is not None:
+        gen.backend.dtype_choice = choice.describe()
+    return gen
 
 
 def generate(model: torch.nn.Module, input_ids, drafter: str | Drafter | torch.nn.Module = "ngram",

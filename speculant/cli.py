@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
-    g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32 on CPU, bfloat16 on GPU)")
+    g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: bfloat16 on GPU; on a CPU "
+                   "the exact dtype that decodes fastest there, measured once and cached)")
     g.add_argument("--path", default="auto", choices=["auto", "fast", "general"],
                    help="fast = static KV cache + own Llama forward (default on CUDA and with --compile); "
                         "general = any HF model")

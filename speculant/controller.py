@@ -24,6 +24,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import torch
+
 
 def expected_tokens(alpha: float | Sequence[float], gamma: int) -> float:
     """τ(γ): expected tokens of one pass. ``alpha`` is one rate or a rate per draft position
@@ -58,16 +60,23 @@ def choose_batch_gamma(alphas: Sequence, costs, gamma_max: int) -> tuple[int, li
     """One γ for a batch that shares each pass. A row drafts only if speculation pays for it alone
     (its own best γ > 0); the batch γ maximises the summed expected tokens over the pass cost.
     Returns (γ, which rows draft)."""
-    best_alone = [_argmax(lambda g, a=a: expected_tokens(a, g) / costs.seconds(g), gamma_max) for a in alphas]
+    gains = [[expected_tokens(a, g) for g in range(gamma_max + 1)] for a in alphas]
+    return choose_batch_width(gains, costs)
+
+
+def choose_batch_width(gains: Sequence[Sequence[float]], costs) -> tuple[int, list[bool]]:
+    """``choose_batch_gamma`` for any gain model: gains[row][g] = expected tokens of the row's pass
+    when it drafts g tokens (a chain's γ, or a tree's first g nodes); gains[row][0] = 1."""
+    width = min((len(g) for g in gains), default=1) - 1
+    best_alone = [_argmax(lambda g, r=r: gains[r][g] / costs.seconds(g), width) for r in range(len(gains))]
     on = [g > 0 for g in best_alone]
     if not any(on):
         return 0, on
 
     def rate(g: int) -> float:
-        tokens = sum(expected_tokens(a, g) if row_on else 1.0 for a, row_on in zip(alphas, on))
-        return tokens / costs.seconds(g)
+        return sum(gain[g] if row_on else 1.0 for gain, row_on in zip(gains, on)) / costs.seconds(g)
 
-    gamma = _argmax(rate, gamma_max)
+    gamma = _argmax(rate, width)
     return gamma, on if gamma > 0 else [False] * len(on)
 
 
@@ -176,14 +185,37 @@ class RowAlpha:
         return out
 
 
+@dataclass
+class RowCalibration:
+    """How many tokens a row's tree passes actually yield per token the drafter's scores predicted
+    (scores estimate each node's chance of being on the target's path, so their sum predicts the
+    accepted depth): discounted counts, with a prior ratio."""
+
+    prior: float = 0.5
+    prior_strength: float = 2.0  # in predicted tokens
+    decay: float = 0.95
+    predicted: float = 0.0
+    accepted: float = 0.0
+
+    def observe(self, predicted: float, accepted: int) -> None:
+        self.predicted = self.decay * self.predicted + predicted
+        self.accepted = self.decay * self.accepted + accepted
+
+    @property
+    def ratio(self) -> float:
+        return min(1.5, (self.accepted + self.prior_strength * self.prior) / (self.predicted + self.prior_strength))
+
+
 class GammaController:
-    """Chooses γ each pass of one request and learns from what the pass did."""
+    """Chooses γ (or, for a drafter of token trees, the nodes per pass) each pass of one request and
+    learns from what the pass did."""
 
     RETRY_BUDGET = 32  # wait at least this many times a failed retry's extra cost (in passes)
 
     def __init__(self, rows: int, gamma_max: int = 8, retry_every: int = 16, costs: CostModel | None = None):
         self.gamma_max, self.retry_every = gamma_max, retry_every
         self.alphas = [RowAlpha() for _ in range(rows)]
+        self.calibration = [RowCalibration() for _ in range(rows)]
         self.cost_model = costs if costs is not None else CostModel()
         self.off_for = [0] * rows  # passes each row has gone without drafting
         self.wait = [self._first_wait()] * rows  # passes until a row that is off is re-tried
@@ -201,6 +233,7 @@ class GammaController:
     def select(self, keep: list[int]) -> None:
         """Only these batch slots go on."""
         self.alphas = [self.alphas[i] for i in keep]
+        self.calibration = [self.calibration[i] for i in keep]
         self.off_for = [self.off_for[i] for i in keep]
         self.wait = [self.wait[i] for i in keep]
         self.on = [self.on[i] for i in keep]
@@ -239,6 +272,46 @@ class GammaController:
             prior = [RowAlpha().prior_mean]
             gamma = _argmax(lambda g: expected_tokens(prior, g) / costs.seconds(g), cap, start=1) if cap else 0
         return gamma, [gamma if (row_on or r) else 0 for row_on, r in zip(on, retry)]
+
+    def choose_tree(self, scores, lengths, budget: int) -> list[int]:
+        """Nodes to verify per row from a best-first tree proposal (scores [B, N], sorted by the
+        drafter, each node's estimated chance to be on the target's path): the width maximising
+        expected tokens per second, where a row's pass yields 1 + (its calibration ratio) x (the
+        summed scores of its kept nodes), over the measured cost of a pass of that width. Rows whose
+        trees would not pay verify nothing; they are re-tried with the prior ratio now and then."""
+        batch = len(self.alphas)
+        cap = min(budget, scores.shape[1]) if scores is not None else 0
+        explore = self._unmeasured(cap)
+        if explore is not None:
+            return [explore] * batch
+        if scores is None or cap == 0:
+            return [0] * batch
+        real = torch.arange(scores.shape[1], device=scores.device)[None] < lengths[:, None]
+        cum = torch.cat([torch.zeros(batch, 1), (scores.float() * real).cpu()[:, :cap].cumsum(1)], 1).tolist()
+        retry = [not on and off + 1 >= wait for on, off, wait in zip(self.on, self.off_for, self.wait)]
+        ratios = [RowCalibration().prior if r else c.ratio for r, c in zip(retry, self.calibration)]
+        gains = [[1.0 + ratio * c for c in row] for ratio, row in zip(ratios, cum)]
+        width, on = choose_batch_width(gains, self.costs(batch))
+        for row, row_on in enumerate(on):
+            if row_on:
+                self.wait[row] = self.retry_every
+            elif retry[row]:  # the retry did not look worth it: wait longer
+                self.wait[row] = min(8 * self.retry_every, 2 * self.wait[row])
+                self.off_for[row] = 0
+        self.on = on
+        return [width if row_on else 0 for row_on in on]
+
+    def observe_tree(self, width: int, lengths: list[int], accepted: list[int], predicted: list[float],
+                     draft_seconds: float, verify_seconds: float) -> None:
+        """What a tree pass did: block width, nodes verified, accepted depth and predicted depth per row."""
+        self.gammas_used.append(width - 1)
+        self.cost_model.observe_pass(0, len(lengths) * width, draft_seconds, verify_seconds)
+        for row, (d, n, pred) in enumerate(zip(lengths, accepted, predicted)):
+            if d > 0:
+                self.calibration[row].observe(pred, n)
+                self.off_for[row] = 0
+            else:
+                self.off_for[row] += 1
 
     def observe(self, gamma: int, width: int, lengths: list[int], accepted: list[int],
                 draft_seconds: float, verify_seconds: float) -> None:

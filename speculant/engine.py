@@ -16,9 +16,11 @@ import torch
 from .controller import CostModel, GammaController
 from .drafters.base import DraftContext, Drafter, Proposal
 from .drafters.model import left_pad
+from .errors import SpeculantError
 from .models.backend import Backend
 from .sampling import LogitsProcessing, SamplingParams, TokenHistory, token_logprobs
-from .verify import greedy_verify, sample_verify
+from .tree import block_layout, check_tree, path_block_index, tree_depth
+from .verify import greedy_verify, sample_verify, tree_greedy_verify, tree_sample_verify
 
 
 @dataclass
@@ -27,6 +29,7 @@ class Stats:
 
     drafter: str = "none"
     gamma: int | str = 0  # or "auto"
+    backend: dict = field(default_factory=dict)  # path, dtype, cpu_kernels (models.backend.Backend.info)
     gamma_sum: int = 0  # draft length this row was allowed, summed over passes (for the mean γ)
     new_tokens: int = 0
     target_passes: int = 0  # including the prefill pass, which yields the first token
@@ -34,8 +37,12 @@ class Stats:
     accepted: int = 0  # draft tokens accepted
     drafted_at: list[int] = field(default_factory=list)  # per draft position
     accepted_at: list[int] = field(default_factory=list)
+    tree_passes: int = 0  # passes that verified a token tree
+    tree_nodes: int = 0  # their nodes, summed
+    tree_accepted: int = 0  # their accepted depth, summed
     drafter_seconds: float = 0.0
     target_seconds: float = 0.0
+    first_token_seconds: float = 0.0  # until the prefill's token (time to first token)
     seconds: float = 0.0
 
     @property
@@ -51,9 +58,15 @@ class Stats:
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
 
-    def count_pass(self, drafted: int, accepted: int, gamma: int = 0) -> None:
+    def count_pass(self, drafted: int, accepted: int, gamma: int = 0, nodes: int = 0) -> None:
+        """One target pass: ``drafted`` judged positions (a tree: its depth), ``accepted`` of them,
+        ``nodes`` the tree's size (0 for a chain)."""
         self.target_passes += 1
         self.gamma_sum += gamma
+        if nodes:
+            self.tree_passes += 1
+            self.tree_nodes += nodes
+            self.tree_accepted += accepted
         self.drafted += drafted
         self.accepted += accepted
         for j in range(drafted):
@@ -76,9 +89,13 @@ class Stats:
             "draft_tokens": self.drafted,
             "accepted_draft_tokens": self.accepted,
             "acceptance_by_position": [round(a / d, 4) if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)],
+            **({"tree_passes": self.tree_passes, "mean_tree_nodes": round(self.tree_nodes / self.tree_passes, 3),
+                "mean_accepted_depth": round(self.tree_accepted / self.tree_passes, 3)} if self.tree_passes else {}),
             "drafter_seconds": round(self.drafter_seconds, 4),
             "target_seconds": round(self.target_seconds, 4),
+            "first_token_seconds": round(self.first_token_seconds, 4),
             "seconds": round(self.seconds, 4),
+            **self.backend,
         }
 
 
@@ -129,7 +146,7 @@ class Engine:
         proc = LogitsProcessing(params, self.vocab_size)
         generator = torch.Generator(device=dev)
         generator.manual_seed(req.seed if req.seed is not None else int(torch.randint(0, 2**62, (1,))))
-        stats = dict(drafter=self.drafter.describe(), gamma=req.gamma)
+        stats = dict(drafter=self.drafter.describe(), gamma=req.gamma, backend=self.backend.info())
         rows = [Row(list(p), logprobs=None if req.logprobs is None else [], stats=Stats(**stats)) for p in req.prompts]
         active = list(range(len(rows)))  # batch slot -> row index
         auto = GammaController(len(rows), req.gamma_max, costs=self.costs) if req.gamma == "auto" else None
@@ -150,7 +167,7 @@ class Engine:
         logprobs = _logprobs(req, dist[:, None], pending[:, None], [1] * len(rows))
         _sync(dev)
         for r in rows:
-            r.stats.target_seconds += time.perf_counter() - t0
+            r.stats.target_seconds = r.stats.first_token_seconds = time.perf_counter() - t0
             r.stats.count_pass(0, 0)
         self.drafter.start(DraftContext(req.prompts, proc, generator, dev, self.vocab_size, max_tokens, state))
         new = [[t] for t in pending.tolist()]
@@ -162,66 +179,108 @@ class Engine:
                 break
             self.slots = active
             if len(keep_slots) < len(new):  # some rows finished: shrink the batch
-                state.select(torch.tensor(keep_slots, device=dev))
-                pending = pending[torch.tensor(keep_slots, device=dev)]
+                keep = torch.tensor(keep_slots, device=dev)
+                state.select(keep)
+                pending = pending[keep]
                 for part in (history, self.drafter, auto):
                     if part is not None:
                         part.select(keep_slots)
-                new = [new[i] for i in keep_slots]
-                n_acc = [n_acc[i] for i in keep_slots]
+                new, n_acc = [new[i] for i in keep_slots], [n_acc[i] for i in keep_slots]
             if history is not None:
                 history.extend(new)
             self.drafter.update(new, n_acc)
-
-            # γ never drafts past max_new_tokens or the context
-            room = min(
-                min(req.max_new_tokens - len(rows[r].tokens) for r in active),
-                self.context_length - int(state.lengths().max()) - 1,
-            )
-            if auto is not None:
-                gamma, caps = auto.choose(room - 1)
-            else:
-                gamma = max(0, min(req.gamma, room - 1))
-                caps = [gamma] * len(active)
+            # drafts never run past max_new_tokens or the context
+            room = min(min(req.max_new_tokens - len(rows[r].tokens) for r in active),
+                       self.context_length - int(state.lengths().max()) - 1)
             td = time.perf_counter()
-            prop = self.drafter.propose(gamma) if gamma > 0 else self._empty(len(active))
-            prop = _cap(prop, caps)
+            prop, caps = self._draft(auto, req, room - 1, len(active))
             _sync(dev)
             tt = time.perf_counter()
-            block = torch.cat([pending[:, None], prop.tokens], dim=1)
-            start = state.lengths()
-            logits = state.append(block)
-            context = history.block(prop.tokens) if history is not None else None
-            if params.greedy:
-                dist = proc.scores(logits, context)
-                n, pending = greedy_verify(dist.argmax(-1), prop.tokens, prop.lengths)
-            else:
-                dist = proc.probs(logits, context)
-                n, pending = sample_verify(dist, prop.tokens, prop.lengths, prop.probs, generator)
-            state.rollback(start + n + 1)
+            n, pending, emitted, dist = self._verify(state, pending, prop, history, proc, params.greedy, generator)
             n_acc = n.tolist()
-            emitted = torch.cat([prop.tokens, pending[:, None]], 1).scatter(1, n[:, None], pending[:, None])
             logprobs = _logprobs(req, dist, emitted, [k + 1 for k in n_acc])
             _sync(dev)
             tv = time.perf_counter()
-            drafts, lens, nxt = prop.tokens.tolist(), prop.lengths.tolist(), pending.tolist()
-            new = [drafts[s][: n_acc[s]] + [nxt[s]] for s in range(len(active))]
-            draft_cost = tt - td - (self.drafter.catchup_seconds if gamma > 0 else 0.0)
-            if auto is not None:
-                auto.observe(gamma, prop.tokens.shape[1] + 1, lens, n_acc, draft_cost, tv - tt)
-            else:  # fixed-γ passes teach the costs too
-                self.costs.observe_pass(gamma, len(active) * (prop.tokens.shape[1] + 1), draft_cost, tv - tt)
-            for s, r in enumerate(active):
-                st = rows[r].stats
-                st.drafter_seconds += tt - td
-                st.target_seconds += tv - tt
-                st.count_pass(lens[s], n_acc[s], caps[s])
+            new = [e[: k + 1] for e, k in zip(emitted.tolist(), n_acc)]
+            self._account([rows[r].stats for r in active], auto, prop, caps, n_acc, tt - td, tv - tt)
         self.state = None  # the cache is not kept alive between requests
         total = time.perf_counter() - t0
         for r in rows:
             r.stats.seconds = total
             r.stats.new_tokens = len(r.tokens)
         return rows
+
+    def _draft(self, auto, req: Request, room: int, batch: int) -> tuple[Proposal, list[int]]:
+        """Propose, within ``room`` draft tokens: a chain of γ tokens per row (γ chosen first), or
+        a token tree asked for at its whole budget and then cut to the nodes worth verifying.
+        Returns the proposal and each row's cap (γ, or nodes kept)."""
+        trees = self.drafter.makes_trees
+        if auto is None:
+            gamma = max(0, min(req.gamma, room))
+        elif trees:
+            gamma = max(0, min(auto.gamma_max, room))
+        else:
+            gamma, caps = auto.choose(room)
+        prop = self.drafter.propose(gamma) if gamma > 0 else self._empty(batch)
+        check_proposal(prop, batch, gamma, self.vocab_size, self.device)
+        if auto is not None and trees and prop.parents is not None:
+            caps = auto.choose_tree(prop.scores, prop.lengths, gamma)
+        elif auto is None or trees:
+            caps = [gamma] * batch
+        return _cap(prop, caps), caps
+
+    def _verify(self, state, pending, prop: Proposal, history, proc: LogitsProcessing, greedy: bool, generator):
+        """Score [pending token + drafts] in ONE target pass, accept, and keep exactly the accepted
+        text in the cache. Returns (accepted drafts n [B], next token [B], emitted tokens
+        [B, ≥ max n + 1] (row b's first n[b] + 1 count), the processed distributions they came from)."""
+        block = torch.cat([pending[:, None], prop.tokens], dim=1)
+        start = state.lengths()
+        tree = seen = None
+        if prop.parents is not None:
+            tree = block_layout(prop.parents)
+            seen = tree[1][:, :, 1:]  # block position t has seen the nodes that are its ancestors
+            logits = state.append(block, tree=tree)
+        else:
+            logits = state.append(block)
+        context = history.block(prop.tokens, seen) if history is not None else None
+        dist = proc.scores(logits, context) if greedy else proc.probs(logits, context)
+        if tree is None:
+            if greedy:
+                n, nxt = greedy_verify(dist.argmax(-1), prop.tokens, prop.lengths)
+            else:
+                n, nxt = sample_verify(dist, prop.tokens, prop.lengths, prop.probs, generator)
+            state.rollback(start + n + 1)
+            emitted = torch.cat([prop.tokens, nxt[:, None]], 1).scatter(1, n[:, None], nxt[:, None])
+            return n, nxt, emitted, dist
+        if greedy:
+            n, nxt, path = tree_greedy_verify(dist.argmax(-1), prop.tokens, prop.parents, prop.lengths)
+        else:
+            n, nxt, path = tree_sample_verify(dist, prop.tokens, prop.parents, prop.lengths, prop.probs, generator)
+        state.keep_path(start, path, n)
+        steps = path_block_index(path, n)  # root + accepted nodes: where each emitted token was scored
+        emitted = block.gather(1, steps[:, 1:]) if steps.shape[1] > 1 else block[:, :0]
+        emitted = torch.cat([emitted, nxt[:, None]], 1).scatter(1, n[:, None], nxt[:, None])
+        return n, nxt, emitted, dist.gather(1, steps[..., None].expand(-1, -1, dist.shape[-1]))
+
+    def _account(self, stats: list[Stats], auto, prop: Proposal, caps: list[int], n_acc: list[int],
+                 draft_seconds: float, verify_seconds: float) -> None:
+        """Per-row counters, and what the pass teaches the controller (acceptance, costs)."""
+        lens = prop.lengths.tolist()
+        width = prop.tokens.shape[1] + 1
+        gamma = max(caps, default=0)
+        draft_cost = draft_seconds - (self.drafter.catchup_seconds if gamma > 0 else 0.0)
+        # judged positions per row: a chain's length, a tree's depth
+        depth = lens if prop.parents is None else tree_depth(prop.parents, prop.lengths).tolist()
+        if auto is None:  # fixed-γ passes teach the costs too
+            self.costs.observe_pass(gamma, len(lens) * width, draft_cost, verify_seconds)
+        elif prop.parents is not None:
+            auto.observe_tree(width, lens, n_acc, _kept_scores(prop), draft_cost, verify_seconds)
+        else:
+            auto.observe(gamma, width, lens, n_acc, draft_cost, verify_seconds)
+        for s, st in enumerate(stats):
+            st.drafter_seconds += draft_seconds
+            st.target_seconds += verify_seconds
+            st.count_pass(depth[s], n_acc[s], caps[s], nodes=lens[s] if prop.parents is not None else 0)
 
     def _empty(self, batch: int):
         z = torch.zeros(batch, 0, dtype=torch.long, device=self.device)
@@ -267,8 +326,42 @@ def _logprobs(req: Request, dist: torch.Tensor, tokens: torch.Tensor, count: lis
 
 
 def _cap(prop: Proposal, caps: list[int]) -> Proposal:
-    """Limit row b to caps[b] drafts and drop block columns no row uses (a narrower verify pass)."""
-    lengths = torch.minimum(prop.lengths, torch.tensor(caps, device=prop.lengths.device))
+    """Limit row b to caps[b] drafts (a tree: its first caps[b] nodes, themselves a tree) and drop
+    block columns no row uses (a narrower verify pass)."""
+    lengths = torch.minimum(prop.lengths, torch.tensor(caps, device=prop.lengths.device, dtype=prop.lengths.dtype))
     width = int(lengths.max()) if lengths.numel() else 0
-    probs = prop.probs[:, :width] if prop.probs is not None else None
-    return Proposal(prop.tokens[:, :width], lengths, probs)
+
+    def cut(t):
+        return t[:, :width] if t is not None else None
+
+    return Proposal(prop.tokens[:, :width], lengths, cut(prop.probs), cut(prop.parents), cut(prop.scores))
+
+
+def _kept_scores(prop: Proposal) -> list[float]:
+    """Per row, the drafter's expected accepted tokens for the nodes it verifies (sum of node scores)."""
+    if prop.scores is None:
+        return [0.0] * prop.tokens.shape[0]
+    real = torch.arange(prop.tokens.shape[1], device=prop.scores.device)[None] < prop.lengths[:, None]
+    return (prop.scores.float() * real).sum(1).tolist()
+
+
+def check_proposal(prop: Proposal, batch: int, gamma: int, vocab: int, device: torch.device) -> None:
+    """A drafter's proposal, checked at the engine's boundary: one line naming what is wrong."""
+    t = prop.tokens
+    if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[0] != batch or t.shape[1] > max(gamma, 0):
+        raise SpeculantError(f"drafter returned draft tokens of shape {tuple(getattr(t, 'shape', ()))}; expected "
+                             f"[{batch}, <= {gamma}] (rows, draft tokens): fix the drafter's propose()")
+    if t.device != device or prop.lengths.device != device:
+        raise SpeculantError(f"drafter returned tensors on {t.device}, but the target runs on {device}")
+    if prop.lengths.shape != (batch,) or bool((prop.lengths < 0).any()) or bool((prop.lengths > t.shape[1]).any()):
+        raise SpeculantError(f"drafter returned lengths {prop.lengths.tolist()}: each must be within 0..{t.shape[1]}")
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab):
+        raise SpeculantError(f"drafter proposed token ids outside the vocabulary (0..{vocab - 1})")
+    if prop.probs is not None and tuple(prop.probs.shape) != (batch, t.shape[1], vocab):
+        raise SpeculantError(f"drafter returned q of shape {tuple(prop.probs.shape)}; expected "
+                             f"{(batch, t.shape[1], vocab)} (rows, drafts, the target's vocabulary)")
+    if prop.parents is not None:
+        if prop.parents.shape != t.shape:
+            raise SpeculantError(f"drafter returned a tree with parents of shape {tuple(prop.parents.shape)}; "
+                                 f"expected {tuple(t.shape)} (one parent per node)")
+        check_tree(prop.parents, prop.lengths)

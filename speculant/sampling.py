@@ -79,21 +79,23 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.counts_output or bool(self.logits_processors)
 
 
-def block_counts(counts: torch.Tensor, block_tokens: torch.Tensor) -> torch.Tensor:
+def block_counts(counts: torch.Tensor, block_tokens: torch.Tensor, seen: torch.Tensor | None = None) -> torch.Tensor:
     """How often each position of a block has seen each token.
 
     counts: [B, V] counts in the accepted context. block_tokens: [B, T-1], tokens fed after that
     context (draft tokens). Returns [B, T, V] where position t has also seen block_tokens[:, :t]
-    -- the drafts before it, exactly as plain decoding would have.
+    -- the drafts before it, exactly as plain decoding would have -- or, for a token tree, the
+    drafts ``seen`` [B, T, T-1] says it has (its ancestors).
     """
     B, V = counts.shape
     T = block_tokens.shape[1] + 1
     out = counts[:, None, :].expand(B, T, V).clone()
     if T > 1:
         idx = block_tokens[:, None, :].expand(B, T, T - 1)
-        # position t sees draft j when j < t
-        visible = (torch.arange(T - 1, device=counts.device)[None, :] < torch.arange(T, device=counts.device)[:, None])
-        out.scatter_add_(2, idx, visible[None].expand(B, T, T - 1).to(out.dtype))
+        if seen is None:  # a chain: position t sees draft j when j < t
+            seen = (torch.arange(T - 1, device=counts.device)[None, :] < torch.arange(T, device=counts.device)[:, None])
+            seen = seen[None].expand(B, T, T - 1)
+        out.scatter_add_(2, idx, seen.to(out.dtype))
     return out
 
 
@@ -146,15 +148,22 @@ class TokenHistory:
         self.counts = self.counts[idx] if self.counts is not None else None
         self.texts = [self.texts[r] for r in rows] if self.texts is not None else None
 
-    def block(self, drafts: torch.Tensor) -> Context:
-        """Context of each position of a verify block [B, T = G+1]: position t has seen drafts[:, :t]."""
+    def block(self, drafts: torch.Tensor, seen: torch.Tensor | None = None) -> Context:
+        """Context of each position of a verify block [B, T = G+1]: position t has seen drafts[:, :t],
+        or for a token tree the drafts ``seen`` [B, T, G] marks (the node's ancestors)."""
         texts = None
         if self.texts is not None:
             d = drafts.tolist()
-            texts = [text + d[b][:t] for b, text in enumerate(self.texts) for t in range(drafts.shape[1] + 1)]
+            T = drafts.shape[1] + 1
+            if seen is None:
+                texts = [text + d[b][:t] for b, text in enumerate(self.texts) for t in range(T)]
+            else:
+                marks = seen.tolist()
+                texts = [text + [x for x, m in zip(d[b], marks[b][t]) if m]
+                         for b, text in enumerate(self.texts) for t in range(T)]
         return Context(
-            block_counts(self.seen, drafts) > 0 if self.seen is not None else None,
-            block_counts(self.counts, drafts) if self.counts is not None else None,
+            block_counts(self.seen, drafts, seen) > 0 if self.seen is not None else None,
+            block_counts(self.counts, drafts, seen) if self.counts is not None else None,
             texts,
         )
 

@@ -92,3 +92,105 @@ def sample_verify(
     final = next_token_distribution(p, q, draft, draft_len, n)
     next_token = torch.multinomial(final, 1, generator=generator).squeeze(1)
     return n, next_token
+
+
+# ---- token trees -------------------------------------------------------------------------------
+# A tree proposal: node i of row b carries tokens[b, i] and hangs under parents[b, i] (an earlier
+# node, or -1 for the root: the pass's first, already-decided token). Nodes at i >= length[b] are
+# padding. Block position 0 is the root, block position i + 1 is node i, so the target's scores at
+# block position i + 1 judge node i's children. A chain is the tree with parents = i - 1.
+
+
+def chain_parents(batch: int, width: int, device=None) -> torch.Tensor:
+    return (torch.arange(width, device=device) - 1)[None].expand(batch, width)
+
+
+def _children(parents, real, node, alive):
+    """[B, N] bool: the real children of each row's current ``node`` (-1 = the root)."""
+    return (parents == node[:, None]) & real & alive[:, None]
+
+
+def tree_greedy_verify(target_choice: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
+                       lengths: torch.Tensor):
+    """Greedy on a tree: from the root, follow the child carrying the target's argmax while one exists.
+
+    target_choice: [B, N+1] argmax of the processed target scores at each block position.
+    Returns (n_accepted [B], next_token [B], path [B, N]: the accepted nodes in order, -1 after)."""
+    B, N = tokens.shape
+    real = _real_slots(lengths, N)
+    node = torch.full((B,), -1, dtype=torch.long, device=tokens.device)
+    path = torch.full((B, N), -1, dtype=torch.long, device=tokens.device)
+    alive = torch.ones(B, dtype=torch.bool, device=tokens.device)
+    for depth in range(N):
+        want = target_choice.gather(1, (node + 1)[:, None])
+        match = _children(parents, real, node, alive) & (tokens == want)
+        alive = match.any(1)
+        if not bool(alive.any()):
+            break
+        child = match.to(torch.int8).argmax(1)  # the first child with that token
+        node = torch.where(alive, child, node)
+        path[:, depth] = torch.where(alive, child, path[:, depth])
+    n = (path >= 0).sum(1)
+    return n, target_choice.gather(1, (node + 1)[:, None]).squeeze(1), path
+
+
+def sibling_step(r: torch.Tensor, x: torch.Tensor, q: torch.Tensor):
+    """One candidate judged against the current target distribution r [B, V]: candidate x [B] was
+    drawn from q [B, V] (given the siblings judged before it). Returns (accept probability [B],
+    the distribution the output follows if x is rejected: norm(max(0, r - q)) [B, V])."""
+    r_x, q_x = r.gather(1, x[:, None]).squeeze(1), q.gather(1, x[:, None]).squeeze(1).to(r.dtype)
+    return acceptance_probability(r_x, q_x), residual_distribution(r, q.to(r.dtype))
+
+
+def tree_sample_verify(p: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, lengths: torch.Tensor,
+                       q: torch.Tensor | None, generator: torch.Generator | None = None):
+    """Speculative sampling on a tree (SpecInfer's multi-step speculative sampling, Miao et al. 2024;
+    with per-candidate q it is also recursive rejection sampling, Jeon et al. 2024).
+
+    At the current node the target distribution is r = p(node). Its children are judged in index
+    order: child x (drawn from q(x's node), the distribution it was sampled from given the siblings
+    before it: the same q for i.i.d. siblings, q renormalised without earlier siblings when drawn
+    without replacement, one-hot for a deterministic drafter) is accepted with probability
+    min(1, r(x)/q(x)); on acceptance the walk moves into x, otherwise r becomes norm(max(0, r - q))
+    and the next sibling is judged. When no child is accepted the pass ends with a token drawn
+    from r (p itself at a leaf: the bonus token). Each step leaves the output distributed as r, so
+    the emitted text follows the target exactly, whatever the tree.
+
+    p: [B, N+1, V] processed target probabilities per block position; q: [B, N, V] or None (one-hot).
+    Returns (n_accepted [B], next_token [B], path [B, N])."""
+    B, N1, V = p.shape
+    N = N1 - 1
+    dev = p.device
+    real = _real_slots(lengths, N)
+    rows = torch.arange(B, device=dev)
+    node = torch.full((B,), -1, dtype=torch.long, device=dev)
+    path = torch.full((B, N), -1, dtype=torch.long, device=dev)
+    alive = torch.ones(B, dtype=torch.bool, device=dev)  # still walking down (not ended yet)
+    r = p[:, 0]
+    for depth in range(N):
+        kids = _children(parents, real, node, alive)
+        if not bool(kids.any()):
+            break
+        chosen = torch.full((B,), -1, dtype=torch.long, device=dev)
+        # judge siblings in index order: the k-th child of each row at step k
+        order = torch.where(kids, torch.arange(N, device=dev)[None], N).sort(1).values
+        for k in range(int(kids.sum(1).max())):
+            cand = order[:, k]
+            judged = (cand < N) & (chosen < 0)
+            if not bool(judged.any()):
+                break
+            c = cand.clamp(max=N - 1)
+            x = tokens[rows, c]
+            qk = torch.nn.functional.one_hot(x, V).to(r.dtype) if q is None else q[rows, c]
+            accept_p, rejected_r = sibling_step(r, x, qk)
+            u = torch.rand(B, device=dev, generator=generator, dtype=r.dtype)
+            accept = judged & (u < accept_p)
+            chosen = torch.where(accept, c, chosen)
+            r = torch.where((judged & ~accept)[:, None], rejected_r, r)
+        moved = chosen >= 0
+        path[:, depth] = torch.where(moved, chosen, path[:, depth])
+        node = torch.where(moved, chosen, node)
+        r = torch.where(moved[:, None], p[rows, node + 1], r)
+        alive = moved
+    n = (path >= 0).sum(1)
+    return n, torch.multinomial(r, 1, generator=generator).squeeze(1), path

@@ -13,3 +13,19 @@ def default_model():
     from speculant.models.loading import load_model
 
     return load_model("default", device="cpu")
+
+
+@pytest.fixture(autouse=True)
+def _no_dtype_measurement(request, monkeypatch):
+    """dtype "auto" on a CPU measures float32 against bfloat16 once per machine and model; tests pin
+    it to float32 (deterministic references, no seconds spent measuring tiny models), except the
+    tests of that choice itself (tests/test_cpu_choice.py)."""
+    if request.module.__name__.endswith("test_cpu_choice"):
+        return
+    from speculant.models import cpu_choice
+
+    def pinned(spec, rounds=2):
+        return cpu_choice.Choice("float32", cpu_choice.best_path(spec), {"float32": 0.0})
+
+    monkeypatch.setattr(cpu_choice, "measure", pinned)
+    monkeypatch.setattr(cpu_choice, "_cache_file", lambda: cpu_choice.cache_dir() / "cpu-choice-tests.json")

@@ -62,3 +62,9 @@ def save_tiny_folder(path, vocab: int = 96, seed: int = 0, context: int = 512):
     model.save_pretrained(path)
     fast.save_pretrained(path)
     return path
+
+
+# The CPU fast path's matmul kernels (speculant.models.cpu_kernels), each forced on any machine:
+# "auto" is what this CPU picks; "fp32-blocks" is what bf16 gets on a CPU without oneDNN bf16 (AVX2),
+# forced on AVX-512 machines too; "aten" is plain F.linear everywhere.
+KERNEL_CHOICES = ["auto", "fp32-blocks", "aten"]

@@ -5,7 +5,7 @@ import torch
 import speculant
 from speculant.drafters import ModelDrafter, make_drafter
 from speculant.models.loading import load_model
-from helpers import hf_greedy, mismatch_report
+from helpers import KERNEL_CHOICES, hf_greedy, mismatch_report
 
 PROMPTS = [
     "Write a haiku about rivers",
@@ -73,11 +73,14 @@ def test_json_schema_output_speculative_equals_plain(default_model):
 
 
 @pytest.mark.slow
-def test_bfloat16_fast_path_plain_decoding_is_hf_bfloat16_bit_for_bit():
+@pytest.mark.parametrize("choice", KERNEL_CHOICES)
+def test_bfloat16_fast_path_plain_decoding_is_hf_bfloat16_bit_for_bit(choice):
     """In bf16 a near-tie flips on any rounding difference, so this checks that the CPU fast path
-    (prepacked matmuls, its own attention call) computes exactly what HF's bf16 forward does."""
+    (its matmul kernels, its own attention call) computes exactly what HF's bf16 forward does, with
+    each kernel choice (oneDNN bf16 packing where the CPU has it; aten's GEMV where it has not)."""
+    kernels = None if choice == "auto" else choice
     target = load_model("default", device="cpu", dtype="bfloat16")
-    gen = speculant.Generator(target, make_drafter("none", target), gamma=1, path="fast")
+    gen = speculant.Generator(target, make_drafter("none", target), gamma=1, path="fast", kernels=kernels)
     for text in PROMPTS[:4]:
         ids = gen.encode(text)
         ref = hf_greedy(target.model, ids, MAX_NEW)
@@ -86,15 +89,18 @@ def test_bfloat16_fast_path_plain_decoding_is_hf_bfloat16_bit_for_bit():
 
 
 @pytest.mark.slow
-def test_bfloat16_compiled_fast_path_differs_from_hf_only_at_near_ties():
+@pytest.mark.parametrize("choice", ["auto", "fp32-blocks"])
+def test_bfloat16_compiled_fast_path_differs_from_hf_only_at_near_ties(choice):
     """Compiled on CPU in bf16, one-token steps use PyTorch's bf16 GEMV instead of HF's oneDNN
-    matmuls: the text may leave HF's only at a near-tie. Two valid bf16 computations of this model
+    matmuls (on CPUs with oneDNN bf16), and blocks the packed bf16 or fp32 copies: the text may
+    leave HF's only at a near-tie. Two valid bf16 computations of this model
     disagree by a few bf16 steps per logit (HF's own cached decoding vs its full forward over the
     same text: median 0.31, max 0.94 on logits of 10-30), so a divergence must be where HF's top two
     logits lie within 4 bf16 steps (2^-5 of the logit); a wrong computation differs by whole units."""
     target = load_model("default", device="cpu", dtype="bfloat16")
-    gen = speculant.Generator(target, make_drafter("ngram", target), gamma=4, path="fast", compile=True)
-    assert gen.backend.fast.native_gemv == gen.backend.fast.packed
+    gen = speculant.Generator(target, make_drafter("ngram", target), gamma=4, path="fast", compile=True,
+                              kernels=None if choice == "auto" else choice)
+    assert gen.backend.name == "fast+compiled"
     for text in PROMPTS[:4]:
         ids = gen.encode(text)
         ref = hf_greedy(target.model, ids, MAX_NEW)

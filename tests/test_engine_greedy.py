@@ -153,38 +153,6 @@ def test_ngram_proposes_full_periods_on_repetitive_text():
     assert prop.lengths.tolist() == [7, 0]  # nothing repeats in row 1: no proposal
 
 
-def test_prepacked_cpu_linear_gives_the_same_bits_as_f_linear():
-    from speculant.models.fast import PackedLinear, onednn_packing_available
-
-    if not onednn_packing_available():
-        pytest.skip("this torch build has no oneDNN prepacked linear")
-    g = torch.Generator().manual_seed(0)
-    for out_f, in_f, bias in ((96, 64, False), (200, 64, True), (64, 200, False)):
-        w = torch.randn(out_f, in_f, generator=g).to(torch.bfloat16)
-        b = torch.randn(out_f, generator=g).to(torch.bfloat16) if bias else None
-        packed = PackedLinear(w, b)
-        for m in (1, 3, 9, 16):
-            x = torch.randn(2, m, in_f, generator=g).to(torch.bfloat16)
-            assert torch.equal(packed(x), torch.nn.functional.linear(x, w, b)), (out_f, in_f, m)
-
-
-@pytest.mark.parametrize("kind,gamma,batch", [("none", 1, 1), ("ngram", 4, 1), ("model", 3, 1), ("ngram", 8, 1)])
-def test_bfloat16_fast_path_with_prepacked_weights_matches_hf_bfloat16(kind, gamma, batch):
-    """On CPU in bf16 the fast path prepacks its weights for oneDNN; greedy output still equals HF
-    generate of the same bf16 model. Batch 1 only: in a padded batch bf16 matmuls round differently
-    from HF's batch-1 reference on either path (seed 7, batch 4 diverges at a logit gap of 0.002,
-    one bf16 step, with or without packing); the float32 batch tests above cover batching."""
-    target = tiny_llama(7).to(torch.bfloat16)
-    prompts = _prompts(7)[:batch] if batch > 1 else [_prompts(7)[1]]
-    refs = [hf_greedy(target, p, 30) for p in prompts]
-    gen = speculant.Generator(speculant.models.LoadedModel(target, None, "tiny"), _drafter(kind, target, 7),
-                              gamma=gamma, path="fast")
-    assert gen.backend.fast.packed == (gen.backend.fast.head is not gen.backend.fast.lm_head)
-    outs = gen.generate_ids(prompts, max_new_tokens=30)
-    for p, ref, out in zip(prompts, refs, outs):
-        assert out.token_ids == ref, mismatch_report(target, p, ref, out.token_ids)
-
-
 @pytest.mark.parametrize("kind,batch", [("none", 1), ("ngram", 1), ("model", 4)])
 def test_compiled_fast_path_greedy_identical_to_hf_generate(kind, batch):
     """``compile=True`` on CPU: the decoder layer runs as torch.compile'd C++ kernels; in float32 the
@@ -198,3 +166,27 @@ def test_compiled_fast_path_greedy_identical_to_hf_generate(kind, batch):
     outs = gen.generate_ids(prompts, max_new_tokens=30)
     for p, ref, out in zip(prompts, refs, outs):
         assert out.token_ids == ref, mismatch_report(target, p, ref, out.token_ids)
+
+
+@pytest.mark.parametrize("bias", ["attention_bias", "mlp_bias"])
+@pytest.mark.parametrize("kernels", ["auto", "aten"])
+def test_fast_path_keeps_every_projection_bias(bias, kernels):
+    """Llama configs with attention_bias (q/k/v/o biases) or mlp_bias (gate/up/down biases): the fast
+    path uses every bias, packed or not (it once dropped o_proj's and the MLP's silently)."""
+    torch.manual_seed(11)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=False, pad_token_id=0, **{bias: True})
+    target = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in target.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.5)  # initialised to zero: make them matter
+    prompt = _prompts(11)[1]
+    ref = hf_greedy(target, prompt, 24)
+    gen = speculant.Generator(speculant.models.LoadedModel(target, None, "tiny"), NgramDrafter(), gamma=3,
+                              path="fast", kernels=None if kernels == "auto" else kernels)
+    out = gen.generate_ids([prompt], max_new_tokens=24)[0]
+    assert out.token_ids == ref, mismatch_report(target, prompt, ref, out.token_ids)

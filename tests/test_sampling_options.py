@@ -138,7 +138,7 @@ def test_drafts_not_counted_by_frequency_penalty_fails(monkeypatch):
     target = peaked(0)
     exact = exact_distribution(target, params)
     monkeypatch.setattr(sampling, "block_counts",
-                        lambda c, bt: c[:, None, :].expand(c.shape[0], bt.shape[1] + 1, c.shape[1]).clone())
+                        lambda c, bt, seen=None: c[:, None, :].expand(c.shape[0], bt.shape[1] + 1, c.shape[1]).clone())
     counts, _ = sample_counts(target, ModelDrafter(peaked(1)), params, seed=77)
     pvalue = fit_pvalue(counts, exact)
     assert pvalue < 1e-6, f"drafts left out of the penalty went unnoticed (p-value {pvalue:.2e})"

@@ -99,11 +99,15 @@ def run_engine(target, drafter, backend, prompt, n, gamma, eos=()):
             return done.value[0]
 
 
-def per_token_ms(run, device, n) -> float:
-    """(time for n tokens - time for 1 token) / (n - 1): decoding only, prefill excluded."""
-    t1 = timed(lambda: run(1), device, repeats=3, warmup=1)
-    tn = timed(lambda: run(n), device, repeats=3, warmup=1)
-    return (tn - t1) / (n - 1)
+def decode_ms_per_token(model, backend, prompt, n, device, repeats=3) -> float:
+    """Plain decoding's ms per token after the prefill (median of runs; a slow prefill's jitter,
+    seconds in bf16 without oneDNN bf16, stays out of it)."""
+    run_engine(model, NoDrafter(), backend, prompt, n, 1)  # warm-up
+    times = []
+    for _ in range(repeats):
+        st = run_engine(model, NoDrafter(), backend, prompt, n, 1).stats
+        times.append((st.seconds - st.first_token_seconds) / (n - 1) * 1e3)
+    return statistics.median(times)
 
 
 class OracleDrafter(Drafter):
@@ -146,13 +150,48 @@ class OracleDrafter(Drafter):
             self.cost.select(rows)
 
 
-def hf_ms_per_token(model, prompt, n, device, **kw) -> float:
+def verify_costs(backend, prompt, device, widths, vocab, repeats=20) -> dict[int, float]:
+    """Median ms of one verify pass of k tokens at a context of len(prompt), widths interleaved so a
+    slow moment of the machine does not land on one width."""
+    state = backend.new_state(1, len(prompt) + max(widths) + 8)
+    state.append(torch.tensor([prompt], device=device))
+    base = state.lengths()
+    blocks = {k: torch.randint(0, vocab, (1, k), device=device) for k in widths}
+    times = {k: [] for k in widths}
+    for rep in range(repeats + 3):
+        for k, block in blocks.items():
+            sync(device)
+            t = time.perf_counter()
+            state.append(block)
+            sync(device)
+            if rep >= 3:  # warm-up rounds
+                times[k].append((time.perf_counter() - t) * 1e3)
+            state.rollback(base)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def hf_ms_per_token(model, prompt, n, device, repeats=3, **kw) -> float:
+    """HF generate's ms per token after the prefill: a logits processor stamps the time of each
+    step's scores, so the prefill (and its jitter) stays out, as in ``decode_ms_per_token``."""
+    from transformers import LogitsProcessorList
+
+    stamps: list[float] = []
+
+    def clock(ids, scores):
+        sync(device)
+        stamps.append(time.perf_counter())
+        return scores
+
     x = torch.tensor([prompt], device=device)
-
-    def run(k):
-        model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=k, min_new_tokens=k, do_sample=False, **kw)
-
-    return per_token_ms(run, device, n)
+    times = []
+    for rep in range(repeats + 1):
+        stamps.clear()
+        model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                       logits_processor=LogitsProcessorList([clock]), **kw)
+        sync(device)
+        if rep:  # the first run warms up
+            times.append((time.perf_counter() - stamps[0]) / (n - 1) * 1e3)
+    return statistics.median(times)
 
 
 def shape_costs(shape, device, dtype, bandwidth, n=64, prompt_len=128, log=print, compile=False) -> dict:
@@ -164,24 +203,12 @@ def shape_costs(shape, device, dtype, bandwidth, n=64, prompt_len=128, log=print
     row = {"shape": shape, "backend": backend.name, "weights_bytes": wbytes,
            "floor_ms_per_token": wbytes / (bandwidth * 1e9) * 1e3,
            "note": "random weights: cost structure only, acceptance meaningless"}
-    row["ours_plain_ms_per_token"] = per_token_ms(
-        lambda k: run_engine(model, NoDrafter(), backend, prompt, k, 1), device, n)
+    row["ours_plain_ms_per_token"] = decode_ms_per_token(model, backend, prompt, n, device)
     log(f"  {shape}: floor {row['floor_ms_per_token']:.2f} ms, ours plain {row['ours_plain_ms_per_token']:.2f} ms/token")
     row["hf_plain_ms_per_token"] = hf_ms_per_token(model, prompt, min(n, 32), device)
     log(f"  {shape}: HF generate {row['hf_plain_ms_per_token']:.2f} ms/token")
     # verification cost by block width k, at a context of prompt_len tokens
-    state = backend.new_state(1, prompt_len + 64)
-    state.append(torch.tensor([prompt], device=device))
-    base = state.lengths()
-    costs = {}
-    for k in range(1, 17):
-        block = torch.randint(0, vocab, (1, k), device=device)
-
-        def step():
-            state.append(block)
-            state.rollback(base)
-
-        costs[k] = timed(step, device, repeats=20, warmup=3)
+    costs = verify_costs(backend, prompt, device, range(1, 17), vocab)
     row["verify_ms_by_k"] = costs
     row["verify_8_over_1"] = costs[8] / costs[1]
     log(f"  {shape}: verify k=1 {costs[1]:.2f} ms, k=8 {costs[8]:.2f} ms (x{row['verify_8_over_1']:.2f})")
@@ -334,11 +361,89 @@ def end_to_end(target_spec: str, device, dtype, n=128, per_category=2, gamma=5, 
             "summary": summary, "records": records}
 
 
+def kernel_table(target_spec: str, device, bandwidth: float, n=32, prompt_len=128, log=print) -> dict:
+    """CPU: per dtype and matmul-kernel choice, plain decoding ms/token and one verify pass of 1-9
+    tokens, beside HF generate in the same dtype and the bandwidth floor (issue: every CPU)."""
+    from ..models import cpu_kernels
+    from ..models.loading import load_model
+
+    rows = []
+    for dtype in ("float32", "bfloat16"):
+        model = load_model(target_spec, device=device, dtype=dtype).model
+        vocab = model.config.vocab_size
+        prompt = torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(1)).tolist()
+        floor = weight_bytes(model) / (bandwidth * 1e9) * 1e3
+        hf = hf_ms_per_token(model, prompt, n, device)
+        rows.append({"dtype": dtype, "method": "HF generate", "kernels": "HF (F.linear)", "plain_ms_per_token": hf,
+                     "floor_ms_per_token": floor})
+        log(f"  {dtype}: floor {floor:.1f} ms/token, HF generate {hf:.1f} ms/token")
+        for choice in ("auto", "fp32-blocks", "aten"):
+            if choice == "fp32-blocks" and not (dtype == "bfloat16" and cpu_kernels.onednn_packs(torch.bfloat16)):
+                continue  # what auto already is on a CPU without oneDNN bf16, and no choice in float32
+            backend = Backend(model, "fast", kernels=choice)
+            plain = decode_ms_per_token(model, backend, prompt, n, device)
+            verify = verify_costs(backend, prompt, device, range(1, 10), vocab)
+            rows.append({"dtype": dtype, "method": "speculant plain", "choice": choice, "kernels": backend.fast.kernels,
+                         "plain_ms_per_token": plain, "floor_ms_per_token": floor, "speedup_vs_hf": hf / plain,
+                         "verify_ms_by_k": verify, "verify_8_over_1": verify[8] / verify[1]})
+            log(f"  {dtype} {backend.fast.kernels}: plain {plain:.1f} ms/token ({hf / plain:.2f}x HF), verify "
+                + " ".join(f"{k}:{v:.1f}" for k, v in verify.items()) + f" ms (8/1 = {verify[8] / verify[1]:.2f})")
+        del model
+    return {"target": target_spec, "cpu_capability": cpu_kernels.cpu_capability(), "prompt_tokens": prompt_len,
+            "new_tokens": n, "rows": rows}
+
+
+def kernel_table_markdown(table: dict) -> str:
+    lines = ["| dtype | method | kernels | ms/token | vs HF | vs floor | verify 1 / 4 / 8 / 9 tokens (ms) | 8 / 1 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in table["rows"]:
+        v = r.get("verify_ms_by_k")
+        verify = " / ".join(f"{v[k]:.1f}" for k in (1, 4, 8, 9)) if v else ""
+        lines.append(f"| {r['dtype']} | {r['method']} | {r['kernels']} | {r['plain_ms_per_token']:.1f} | "
+                     f"{r.get('speedup_vs_hf', 1.0):.2f}x | {r['plain_ms_per_token'] / r['floor_ms_per_token']:.1f}x | "
+                     f"{verify} | {r['verify_8_over_1']:.2f} |" if v else
+                     f"| {r['dtype']} | {r['method']} | {r['kernels']} | {r['plain_ms_per_token']:.1f} | 1.00x | "
+                     f"{r['plain_ms_per_token'] / r['floor_ms_per_token']:.1f}x | | |")
+    return "\n".join(lines)
+
+
+def plot_kernel_table(table: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    rows = [r for r in table["rows"] if "verify_ms_by_k" in r]
+    for r in rows:
+        ks = sorted(int(k) for k in r["verify_ms_by_k"])
+        axes[0].plot(ks, [r["verify_ms_by_k"][k] for k in ks], marker="o", label=f"{r['dtype']}: {r['kernels']}"[:60])
+    axes[0].set_xlabel("tokens verified in one pass")
+    axes[0].set_ylabel("ms per pass")
+    axes[0].set_ylim(bottom=0)
+    axes[0].set_title(f"Verify cost by width ({table['cpu_capability']})")
+    axes[0].legend(fontsize=6)
+    labels = [f"{r['dtype'][:4]} {r['method'].removeprefix('speculant ')}\n{r['kernels'][:22]}" for r in table["rows"]]
+    axes[1].bar(range(len(labels)), [r["plain_ms_per_token"] for r in table["rows"]], color="tab:blue",
+                label="plain decoding")
+    axes[1].scatter(range(len(labels)), [r["floor_ms_per_token"] for r in table["rows"]], color="red", zorder=5,
+                    label="bandwidth floor")
+    axes[1].set_xticks(range(len(labels)), labels, fontsize=6, rotation=30, ha="right")
+    axes[1].set_ylabel("ms per token")
+    axes[1].set_title("Plain decoding")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "kernels.png", dpi=120)
+
+
 def machine_info(device) -> dict:
     import transformers
 
+    from ..models.cpu_choice import machine_key
+    from ..models.cpu_kernels import cpu_capability
+
     info = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}
+            "cpu": machine_key().split("|")[0], "cpu_capability": cpu_capability(), "threads": torch.get_num_threads()}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
     return info
@@ -358,6 +463,9 @@ def main(argv=None) -> int:
     ap.add_argument("--e2e", default=None, help="a real target (e.g. default or a .gguf) for end-to-end rows")
     ap.add_argument("--e2e-per-category", type=int, default=2)
     ap.add_argument("--e2e-tokens", type=int, default=128)
+    ap.add_argument("--kernels", default=None, metavar="TARGET",
+                    help="CPU: a table per dtype and matmul-kernel choice for this target (e.g. default): plain "
+                         "decoding, verify widths 1-9, HF generate, floor; writes kernels.json/.md/.png")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
@@ -376,6 +484,11 @@ def main(argv=None) -> int:
         target, t_backend, prompt = models[args.target_shape]
         result["speculative"] = speculative_costs(target, t_backend, models[args.drafter_shape][0], prompt, device,
                                                   n=args.tokens, compile=args.compile)
+    if args.kernels:
+        result["kernels"] = table = kernel_table(args.kernels, device, bw, n=args.tokens)
+        (out / "kernels.md").write_text(kernel_table_markdown(table) + "\n")
+        plot_kernel_table(table, out)
+        print(kernel_table_markdown(table))
     if args.e2e:
         result["end_to_end"] = e2e = end_to_end(args.e2e, device, dtype, n=args.e2e_tokens,
                                                 per_category=args.e2e_per_category,

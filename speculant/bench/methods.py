@@ -15,6 +15,7 @@ import torch
 from ..api import Generator, load
 from ..drafters import make_drafter, validate_drafter_spec
 from ..errors import SpeculantError
+from ..models.loading import resolve_device
 from .prompts import BenchPrompt
 
 HF_GENERATE = "hf generate"
@@ -143,6 +144,8 @@ class MethodRunner:
 
     def __init__(self, target: str = "default", drafters: list[str] = (), device=None, dtype=None,
                  chat_template: bool = True, path: str = "auto"):
+        if dtype is None and resolve_device(device).type == "cpu":
+            dtype = "float32"  # comparable across machines; "auto" picks the fastest exact dtype here
         base = load(target, drafter="none", device=device, dtype=dtype, path=path)
         self.target = base.target
         self.device = self.target.device

@@ -19,9 +19,15 @@ def seconds_since(t0: float, device: torch.device) -> float:
 
 @dataclass
 class Proposal:
-    tokens: torch.Tensor  # [B, γ] draft tokens (padded past each row's length)
-    lengths: torch.Tensor  # [B] real drafts per row (0 = nothing to propose for that row)
+    """A chain of draft tokens per row, or a token tree (``parents`` set; see speculant/tree.py)."""
+
+    tokens: torch.Tensor  # [B, γ] draft tokens (padded past each row's length); tree: one per node
+    lengths: torch.Tensor  # [B] real drafts (nodes) per row (0 = nothing to propose for that row)
     probs: torch.Tensor | None = None  # [B, γ, V] processed q the drafts were sampled from; None = one-hot
+    # a tree: node i hangs under parents[b, i] < i (-1: under the pass's first token). Tree
+    # drafters list nodes best first (each node after its parent), so a prefix is a tree too.
+    parents: torch.Tensor | None = None  # [B, γ]
+    scores: torch.Tensor | None = None  # [B, γ] the drafter's estimate that the target's text passes each node
 
 
 @dataclass
@@ -39,6 +45,8 @@ class DraftContext:
 
 class Drafter(ABC):
     name: str = "drafter"
+    # proposes token trees: the engine asks for its whole budget, then keeps the best nodes
+    makes_trees: bool = False
     # seconds of the last ``propose`` spent on one-off catch-up (a lazy prompt prefill): gamma="auto"
     # leaves them out of the drafter's per-token cost
     catchup_seconds: float = 0.0

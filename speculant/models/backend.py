@@ -1,6 +1,7 @@
 """Which KV state (and forward) a model runs with: the fast static-cache path or the general one."""
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -11,16 +12,30 @@ from .kv import KVState
 PATHS = ("auto", "fast", "general")
 
 
+def use_persistent_compile_cache() -> None:
+    """Keep torch.compile's compiled kernels (inductor's FX-graph and autograd caches) under
+    $SPECULANT_CACHE/inductor instead of /tmp, so compiling is paid once per machine, not per boot.
+    A TORCHINDUCTOR_CACHE_DIR of the user's own (not inductor's /tmp default) wins."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from .loading import cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
+
+
 class Backend:
     """Makes KV states for one model.
 
     path: auto (fast on CUDA or with compile, when the architecture is supported), fast, general.
     graphs: on CUDA, replay the fast forward as CUDA graphs (default on with the fast path there).
     compile: wrap the fast forward in torch.compile (the CPU's equivalent: fused C++ kernels).
+    kernels: the CPU fast path's matmul kernels ("auto", "onednn", "aten"; see cpu_kernels).
     """
 
     def __init__(self, model: torch.nn.Module, path: str = "auto", compile: bool = False, quiet: bool = False,
-                 graphs: bool | None = None):
+                 graphs: bool | None = None, kernels: str | None = None):
         if path not in PATHS:
             raise ValueError(f"path must be one of {PATHS}")
         self.model = model
@@ -30,9 +45,12 @@ class Backend:
         want_fast = path == "fast" or (path == "auto" and (device.type == "cuda" or compile))
         if want_fast and not ok and not quiet:
             print(f"speculant: {why}; using the general path", file=sys.stderr)
-        self.fast = FastLlama(model, compile=compile) if want_fast and ok else None
+        if compile:
+            use_persistent_compile_cache()
+        self.fast = FastLlama(model, compile=compile, kernels=kernels) if want_fast and ok else None
         self.step = None
         self.name = "general"
+        self.dtype_choice: str | None = None  # how dtype "auto" chose (api.load), for the stats
         self.caches: dict[tuple[int, int], tuple[list, list]] = {}
         if self.fast is not None:
             self.name = "fast+compiled" if compile else "fast"
@@ -41,6 +59,16 @@ class Backend:
 
                 self.step = GraphedForward(self.fast.forward)
                 self.name += "+cudagraphs"
+
+    def info(self) -> dict:
+        """What runs the model, for the stats: path, dtype and, on the CPU fast path, the matmul kernels."""
+        p = next(self.model.parameters())
+        out = {"path": self.name, "dtype": str(p.dtype).removeprefix("torch.")}
+        if self.fast is not None and p.device.type == "cpu":
+            out["cpu_kernels"] = self.fast.kernels
+        if self.dtype_choice:
+            out["dtype_choice"] = self.dtype_choice
+        return out
 
     def new_state(self, batch: int, max_tokens: int):
         if self.fast is None:

@@ -1,4 +1,4 @@
-"""CUDA-graph capture of the fast path's forward: one graph per (cache, batch, block width).
+"""CUDA-graph capture of the fast path's forward: one graph per (cache, batch, block width, chain or tree).
 
 Eager decoding of a small model on a GPU is bound by kernel launches and Python, not by memory;
 replaying a captured graph launches the whole forward at once. The static KV cache makes every
@@ -18,32 +18,36 @@ class GraphedForward:
         self.graphs: dict[tuple, tuple] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
-    def _capture(self, key, tokens, positions, write_at, keys, values, last_only):
-        static = [tokens.clone(), positions.clone(), write_at.clone()]
+    def _capture(self, key, inputs, keys, values, last_only):
+        static = [t.clone() for t in inputs]  # tokens, positions, write_at (, tree visibility)
+
+        def run():
+            return self.forward(*static[:3], keys, values, last_only, tree=static[3] if len(static) > 3 else None)
+
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         # warm-up runs write real K/V of this very step, which the replay below rewrites identically
         with torch.cuda.stream(side):
             for _ in range(self.warmup):
-                self.forward(*static, keys, values, last_only)
+                run()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self.forward(*static, keys, values, last_only)
+            out = run()
         self.graphs[key] = (graph, static, out)
         return self.graphs[key]
 
-    def __call__(self, tokens, positions, write_at, keys, values, last_only=False):
+    def __call__(self, tokens, positions, write_at, keys, values, last_only=False, tree=None):
         if tokens.shape[1] > self.max_width:
-            return self.forward(tokens, positions, write_at, keys, values, last_only)
-        key = (tuple(t.data_ptr() for t in keys + values), tuple(tokens.shape), last_only)
+            return self.forward(tokens, positions, write_at, keys, values, last_only, tree=tree)
+        inputs = [tokens, positions, write_at] + ([tree] if tree is not None else [])
+        key = (tuple(t.data_ptr() for t in keys + values), tuple(tokens.shape), last_only, tree is not None)
         entry = self.graphs.get(key)
         if entry is None:
-            entry = self._capture(key, tokens, positions, write_at, keys, values, last_only)
+            entry = self._capture(key, inputs, keys, values, last_only)
         graph, static, out = entry
-        static[0].copy_(tokens)
-        static[1].copy_(positions)
-        static[2].copy_(write_at)
+        for buffer, value in zip(static, inputs):
+            buffer.copy_(value)
         graph.replay()
         return out
 

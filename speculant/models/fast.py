@@ -16,11 +16,16 @@ qwen2, smollm): see ``supports``. Anything else runs on the general path (``KVSt
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from . import cpu_kernels
+from .cpu_kernels import PackedLinear
+
 FAST_MODEL_TYPES = {"llama", "mistral", "qwen2"}
+MATMULS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
 def supports(model: torch.nn.Module) -> tuple[bool, str]:
@@ -50,28 +55,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def onednn_packing_available() -> bool:
-    """oneDNN's prepacked linear (what torch.compile's CPU freezing uses) exists in this build."""
-    try:
-        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    except (AttributeError, RuntimeError):
-        return False
-
-
-class PackedLinear:
-    """A CPU weight reordered once into oneDNN's blocked layout. In bf16 the M=1..16 matmuls of
-    decoding and verification then skip ``F.linear``'s per-call reorder (a 2-core EPYC streams the
-    default model's lm_head at 26 GB/s instead of 11), with the same oneDNN kernels and fp32
-    accumulation: the results are the same bits (checked against ``F.linear`` in the tests)."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
-        self.bias = None if bias is None else bias.detach().contiguous()
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-
-
 @contextlib.contextmanager
 def _onednn_disabled():
     """aten's matmuls skip oneDNN meanwhile (torch.backends.mkldnn.flags, without its side warnings)."""
@@ -83,9 +66,39 @@ def _onednn_disabled():
         torch._C._set_mkldnn_enabled(was)
 
 
+@dataclass
+class _MatmulSet:
+    """The weights one kind of pass multiplies with, and how its layers run over them."""
+
+    layers: list[dict]  # per layer: norms and matmul weights (a "<name>_packed" entry wins over F.linear)
+    head: object  # the lm_head: a module or a PackedLinear
+    layer_fn: object  # decoder_layer, or its torch.compile'd twin
+    onednn_off: bool = False  # aten's own GEMV instead of oneDNN for these matmuls
+
+
 def _linear(x, w: dict, name: str):
     packed = w.get(name + "_packed")
     return packed(x) if packed is not None else F.linear(x, w[name], w.get(name + "_bias"))
+
+
+def _qk_v(x, w: dict, B: int, T: int, n_heads: int, n_kv: int, head_dim: int):
+    """q and k heads side by side [B, T, n_heads + n_kv, head_dim] (one rotary pass serves both), and v."""
+    fused = w.get("qkv_packed")
+    if fused is not None:  # one matmul for q, k and v
+        qkv = fused(x).view(B, T, n_heads + 2 * n_kv, head_dim)
+        return qkv[:, :, : n_heads + n_kv], qkv[:, :, n_heads + n_kv :]
+    q = _linear(x, w, "q").view(B, T, n_heads, head_dim)
+    k = _linear(x, w, "k").view(B, T, n_kv, head_dim)
+    return torch.cat([q, k], 2), _linear(x, w, "v").view(B, T, n_kv, head_dim)
+
+
+def _mlp(x, w: dict):
+    fused = w.get("gateup_packed")
+    if fused is not None:  # one matmul for gate and up
+        gate, up = fused(x).chunk(2, dim=-1)
+    else:
+        gate, up = _linear(x, w, "gate"), _linear(x, w, "up")
+    return _linear(F.silu(gate) * up, w, "down")
 
 
 def decoder_layer(h, cos, sin, mask, idx, k_cache, v_cache, w: dict, n_heads: int, n_kv: int, head_dim: int,
@@ -93,29 +106,28 @@ def decoder_layer(h, cos, sin, mask, idx, k_cache, v_cache, w: dict, n_heads: in
     """One Llama decoder layer over a block of w tokens, writing its K/V into the static cache.
 
     A pure function of tensors (weights passed in), so ``torch.compile`` compiles it once and every
-    layer reuses the same kernels: compile time does not grow with depth."""
+    layer reuses the same kernels: compile time does not grow with depth. cos/sin: [B, T, 1, head_dim]."""
     B, T, _ = h.shape
     x = _rms_norm(h, w["ln1"], eps)
-    q = _linear(x, w, "q").view(B, T, n_heads, head_dim).transpose(1, 2)
-    k = _linear(x, w, "k").view(B, T, n_kv, head_dim).transpose(1, 2)
-    v = _linear(x, w, "v").view(B, T, n_kv, head_dim).transpose(1, 2)
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
+    qk, v = _qk_v(x, w, B, T, n_heads, n_kv, head_dim)
+    qk = qk * cos + _rotate_half(qk) * sin  # elementwise: the same values as HF's separate q and k passes
+    q, k, v = qk[:, :, :n_heads].transpose(1, 2), qk[:, :, n_heads:].transpose(1, 2), v.transpose(1, 2)
     k_cache.scatter_(2, idx, k)
     v_cache.scatter_(2, idx, v)
     # mask None: a one-token step over exactly the live cache, or (causal) a prefill from position 0
     o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, is_causal=causal,
                                        scale=scaling, enable_gqa=gqa)
     h = h + _linear(o.transpose(1, 2).reshape(B, T, -1), w, "o")
-    x = _rms_norm(h, w["ln2"], eps)
-    return h + _linear(F.silu(_linear(x, w, "gate")) * _linear(x, w, "up"), w, "down")
+    return h + _mlp(_rms_norm(h, w["ln2"], eps), w)
 
 
 class FastLlama:
-    """A functional view of a transformers Llama-family CausalLM: shares its weights, no copies
-    (except on CPU in bf16, where each matmul weight also gets a oneDNN-prepacked copy)."""
+    """A functional view of a transformers Llama-family CausalLM: shares its weights (on CPU, oneDNN
+    packed copies of the matmul weights are added where they measure faster: see cpu_kernels).
 
-    def __init__(self, hf_model: torch.nn.Module, compile: bool = False, pack: bool | None = None):
+    ``kernels`` (CPU only): "auto" (default, or $SPECULANT_CPU_KERNELS), "onednn" or "aten"."""
+
+    def __init__(self, hf_model: torch.nn.Module, compile: bool = False, kernels: str | None = None):
         cfg = hf_model.config
         inner = hf_model.model
         self.hf_model = hf_model
@@ -126,17 +138,16 @@ class FastLlama:
         self.eps = cfg.rms_norm_eps
         self.gqa = self.n_kv != self.n_heads  # a plain bool: torch.compile would make a SymBool of the ints
         self.embed = inner.embed_tokens
-        self.weights = []
+        plain = []
         for layer in inner.layers:
             a, m = layer.self_attn, layer.mlp
-            w = {"ln1": layer.input_layernorm.weight, "q": a.q_proj.weight, "k": a.k_proj.weight,
-                 "v": a.v_proj.weight, "o": a.o_proj.weight, "ln2": layer.post_attention_layernorm.weight,
-                 "gate": m.gate_proj.weight, "up": m.up_proj.weight, "down": m.down_proj.weight}
-            for name in ("q", "k", "v"):  # Qwen2 has q/k/v biases
-                bias = getattr(a, f"{name}_proj").bias
-                if bias is not None:
-                    w[f"{name}_bias"] = bias
-            self.weights.append(w)
+            w = {"ln1": layer.input_layernorm.weight, "ln2": layer.post_attention_layernorm.weight}
+            for name, proj in zip(MATMULS, (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj,
+                                            m.down_proj)):
+                w[name] = proj.weight
+                if proj.bias is not None:  # Qwen2's q/k/v; attention_bias / mlp_bias configs
+                    w[f"{name}_bias"] = proj.bias
+            plain.append(w)
         self.norm = inner.norm
         self.lm_head = hf_model.get_output_embeddings()
         self.inv_freq = inner.rotary_emb.inv_freq
@@ -144,27 +155,53 @@ class FastLlama:
         self.scaling = inner.layers[0].self_attn.scaling
         p = next(hf_model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        # CPU + bf16: prepack every matmul weight for oneDNN (a second copy of the weights: for a
-        # model that fits a laptop's memory twice, the 2-3x faster matmuls are worth it)
-        cpu = self.device.type == "cpu"
-        if pack is None:
-            pack = cpu and self.dtype == torch.bfloat16
-        self.packed = bool(pack) and cpu and onednn_packing_available()
-        self.plain_weights = self.weights
-        if self.packed:
-            self.weights = [dict(w) for w in self.weights]
-            for w in self.weights:
-                for name in ("q", "k", "v", "o", "gate", "up", "down"):
-                    w[name + "_packed"] = PackedLinear(w[name], w.get(name + "_bias"))
-        self.head = PackedLinear(self.lm_head.weight) if self.packed and self.lm_head.bias is None else self.lm_head
-        self.layer_fn = torch.compile(decoder_layer, dynamic=True) if compile else decoder_layer
-        # compiled on CPU in bf16: one-token steps run the compiled layer over the unpacked weights
-        # with PyTorch's own bf16 GEMV (fp32 accumulation), which streams these small matrices about
-        # twice as fast as oneDNN; wider blocks keep the eager packed oneDNN matmuls, whose cost is
-        # flat in the block width. The GEMV rounds otherwise than HF's oneDNN matmuls, so greedy text
-        # can differ from HF bf16 at near-ties (a few bf16 steps); uncompiled, it is bit for bit HF's.
-        # (The oneDNN switch is process-wide while a step runs: generation is not run concurrently.)
-        self.native_gemv = bool(compile) and self.packed
+        compiled = torch.compile(decoder_layer, dynamic=True) if compile else decoder_layer
+        self.kernels = "cuda" if self.device.type == "cuda" else "aten (F.linear)"
+        step = block = _MatmulSet(plain, self.lm_head, compiled)
+        if self.device.type == "cpu":
+            kplan = cpu_kernels.plan(self.dtype, _matmul_bytes(plain, self.lm_head), kernels)
+            self.kernels = kplan.name
+            packs = {dt: self._packed(plain, dt, kplan.hint) for dt in {kplan.step_pack, kplan.block_pack} - {None}}
+            # packed sets run eager (oneDNN's opaque ops). Compiled in bf16, one-token steps run the
+            # compiled layer over the plain weights with PyTorch's own bf16 GEMV (fp32 accumulation),
+            # which streams small matrices about twice as fast as oneDNN's bf16 kernels. In float32
+            # packed eager steps beat compiled MKL ones (measured), so compiling changes nothing there.
+            if compile and self.dtype == torch.bfloat16:
+                step = _MatmulSet(plain, self.lm_head, compiled, onednn_off=True)
+                if kplan.step_pack is not None:
+                    self.kernels += " (compiled one-token steps: aten GEMV)"
+            elif kplan.step_pack is not None:
+                step = _MatmulSet(*packs[kplan.step_pack], decoder_layer)
+            if kplan.block_pack is not None:
+                block = _MatmulSet(*packs[kplan.block_pack], decoder_layer)
+        # a prefill runs HF's own kernels where the steps do (bf16 without oneDNN bf16: aten's GEMV),
+        # so plain decoding starts from the very cache HF's does (uncompiled)
+        exact_prefill = not compile and step.layers is plain and block.layers is not plain
+        self.step_set, self.block_set, self.prefill_set = step, block, step if exact_prefill else block
+
+    def _packed(self, plain: list[dict], compute: torch.dtype, hint: int):
+        """oneDNN-packed copies of every matmul weight (layers and the lm_head) computing in ``compute``.
+        In float32, q/k/v and gate/up are packed as one matrix each (fewer, wider matmuls; bf16
+        packing keeps HF's separate matmuls, whose bits it reproduces)."""
+        layers = []
+        for w in plain:
+            w = dict(w)
+            groups = [("q",), ("k",), ("v",), ("o",), ("gate",), ("up",), ("down",)]
+            if compute == torch.float32:
+                groups = [("q", "k", "v"), ("o",), ("gate", "up"), ("down",)]
+            for group in groups:
+                weight = torch.cat([w[n] for n in group]) if len(group) > 1 else w[group[0]]
+                biases = [w.get(n + "_bias") for n in group]
+                bias = None
+                if any(b is not None for b in biases):
+                    bias = torch.cat([b if b is not None else w[n].new_zeros(w[n].shape[0])
+                                      for b, n in zip(biases, group)])
+                w["".join(group) + "_packed"] = PackedLinear(weight, bias, compute, hint)
+            layers.append(w)
+        head = self.lm_head
+        if head.bias is None:
+            head = PackedLinear(head.weight, None, compute, hint)
+        return layers, head
 
     def new_cache(self, batch: int, size: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         shape = (batch, self.n_kv, size, self.head_dim)
@@ -172,47 +209,57 @@ class FastLlama:
         values = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self.n_layers)]
         return keys, values
 
-    def forward(self, tokens, positions, write_at, keys, values, last_only: bool = False, layers=None):
+    def forward(self, tokens, positions, write_at, keys, values, last_only: bool = False, layers=None, tree=None):
         """tokens/positions/write_at: [B, w]. Writes K/V of the block at ``write_at`` and attends,
         for each query, to the slots at or before its position. Returns logits [B, w or 1, V].
-        ``layers``: run only these decoder layers (self-speculation); None = all."""
+        ``layers``: run only these decoder layers (self-speculation); None = all.
+        ``tree``: [B, w, w] bool, a token tree's block (written at consecutive slots from write_at[:, 0]):
+        query t sees the slots before the block and the block slots s with tree[b, t, s]."""
         B, w = tokens.shape
         S = keys[0].shape[2]
         plain = False  # no mask: SDPA's causal prefill or one-token step, the very call HF makes
         if tokens.device.type == "cpu":
             # attend over the live part of the cache only (a view): attention work follows the text's
             # length, not the cache's size. On GPU shapes stay static for CUDA graphs.
-            end = int(positions.max()) + 1
-            plain = B == 1 and (w == 1 or w == end) and int(positions[0, 0]) == end - w
+            end = int(write_at.max()) + 1
+            plain = tree is None and B == 1 and (w == 1 or w == end) and int(positions[0, 0]) == end - w
             S = min(S, end if plain else -(-end // 64) * 64)
             keys, values = [k[:, :, :S] for k in keys], [v[:, :, :S] for v in values]
         mask = None
         if not plain:
-            visible = torch.arange(S, device=tokens.device)[None, None, None, :] <= positions[:, None, :, None]
+            slots = torch.arange(S, device=tokens.device)[None, None, :]
+            if tree is None:
+                visible = (slots <= positions[:, :, None])[:, None]
+            else:
+                rel = slots - write_at[:, :1, None]  # slot relative to the block's first slot
+                in_block = tree.gather(2, rel.clamp(0, w - 1).expand(B, w, S)) & (rel < w)
+                visible = ((rel < 0) | in_block)[:, None]
             # an additive float mask: several times faster than a boolean one in CPU SDPA kernels
             mask = torch.zeros(visible.shape, dtype=self.dtype, device=tokens.device).masked_fill(~visible, float("-inf"))
         idx = write_at[:, None, :, None].expand(B, self.n_kv, w, self.head_dim)
         causal = mask is None and w > 1  # a prefill from position 0
-        if self.native_gemv and w == 1 and layers is None:
-            with _onednn_disabled():
-                return self._body(tokens, positions, idx, keys, values, mask, last_only, causal, packed=False)
-        return self._body(tokens, positions, idx, keys, values, mask, last_only, causal, layers)
+        mm = self.step_set if B * w == 1 else self.prefill_set if causal else self.block_set
+        with _onednn_disabled() if mm.onednn_off else contextlib.nullcontext():
+            return self._body(tokens, positions, idx, keys, values, mask, last_only, causal, mm, layers)
 
-    def _body(self, tokens, positions, idx, keys, values, mask, last_only: bool, causal: bool, layers=None,
-              packed: bool = True):
+    def _body(self, tokens, positions, idx, keys, values, mask, last_only: bool, causal: bool, mm: _MatmulSet,
+              layers=None):
         h = self.embed(tokens)
         freqs = positions[..., None].float() * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.rope_scale).to(h.dtype)[:, None]
-        sin = (emb.sin() * self.rope_scale).to(h.dtype)[:, None]
-        weights = self.weights if packed else self.plain_weights
-        layer_fn = decoder_layer if self.native_gemv and packed else self.layer_fn  # packed: eager oneDNN
+        cos = (emb.cos() * self.rope_scale).to(h.dtype)[:, :, None]
+        sin = (emb.sin() * self.rope_scale).to(h.dtype)[:, :, None]
         for i in range(self.n_layers) if layers is None else layers:
-            h = layer_fn(h, cos, sin, mask, idx, keys[i], values[i], weights[i], self.n_heads, self.n_kv,
-                         self.head_dim, self.eps, self.scaling, causal, self.gqa)
+            h = mm.layer_fn(h, cos, sin, mask, idx, keys[i], values[i], mm.layers[i], self.n_heads, self.n_kv,
+                            self.head_dim, self.eps, self.scaling, causal, self.gqa)
         if last_only:
             h = h[:, -1:]
-        return (self.head if packed else self.lm_head)(_rms_norm(h, self.norm.weight, self.eps))
+        return mm.head(_rms_norm(h, self.norm.weight, self.eps))
+
+
+def _matmul_bytes(layers: list[dict], head) -> int:
+    weights = [w[n] for w in layers for n in MATMULS] + [head.weight]
+    return sum(t.numel() * t.element_size() for t in weights)
 
 
 class StaticKVState:
@@ -234,10 +281,20 @@ class StaticKVState:
 
     @torch.no_grad()
     def append(self, tokens: torch.Tensor, valid: torch.Tensor | None = None, last_only: bool = False,
-               layers: list[int] | None = None):
+               layers: list[int] | None = None, tree: tuple | None = None):
         """Run the block after each row's pointer and advance it. ``layers``: only these decoder
-        layers run and write their K/V (a self-speculative draft step; eager, never graphed)."""
+        layers run and write their K/V (a self-speculative draft step; eager, never graphed).
+        ``tree``: (position offsets [B, w], visibility [B, w, w]) of a token-tree block (tree.py)."""
         B, w = tokens.shape
+        if tree is not None:
+            offsets, vis = tree
+            write_at = self.ptr[:, None] + torch.arange(w, device=tokens.device)[None]
+            if int(write_at.max()) >= self.size:
+                raise RuntimeError("static KV cache is full")  # sized by the engine; a bug if reached
+            logits = self.step(tokens, self.ptr[:, None] + offsets, write_at, self.keys, self.values, last_only,
+                               tree=vis)
+            self.ptr = self.ptr + w
+            return logits
         if valid is None:
             n_real = torch.full((B,), w, dtype=torch.long, device=tokens.device)
         else:
@@ -259,6 +316,21 @@ class StaticKVState:
 
     def rollback(self, lengths: torch.Tensor) -> None:
         self.ptr = torch.minimum(self.ptr, lengths.to(self.ptr.device))
+
+    def keep_path(self, start: torch.Tensor, path: torch.Tensor, n: torch.Tensor) -> None:
+        """After a tree pass written from slot ``start``: move the accepted nodes' K/V (block slots
+        1 + path[:n]) next to the root, so the row's cache holds exactly root + accepted path."""
+        width = int(n.max()) if n.numel() else 0
+        if width:
+            steps = torch.arange(width, device=path.device)[None]
+            dst = start[:, None] + 1 + steps
+            src = torch.where(steps < n[:, None], start[:, None] + 1 + path[:, :width], dst)
+            for cache in (self.keys, self.values):
+                for layer in cache:
+                    shape = (layer.shape[0], layer.shape[1], width, layer.shape[3])
+                    moved = layer.gather(2, src[:, None, :, None].expand(shape))
+                    layer.scatter_(2, dst[:, None, :, None].expand(shape), moved)
+        self.ptr = start + 1 + n
 
     def select(self, rows: torch.Tensor) -> None:
         self.keys = [k[rows] for k in self.keys]

@@ -32,27 +32,53 @@ class KVState:
         return self.valid.sum(1)
 
     @torch.no_grad()
-    def append(self, tokens: torch.Tensor, valid: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
-        """Run the model on ``tokens`` [B, w] after the cached context; returns logits [B, w or 1, V]."""
+    def append(self, tokens: torch.Tensor, valid: torch.Tensor | None = None, last_only: bool = False,
+               tree: tuple | None = None) -> torch.Tensor:
+        """Run the model on ``tokens`` [B, w] after the cached context; returns logits [B, w or 1, V].
+        ``tree``: (position offsets [B, w], visibility [B, w, w]) of a token-tree block (tree.py),
+        given to the model as a 4-D mask over the cached columns and the block."""
         if valid is None:
             valid = torch.ones_like(tokens, dtype=torch.bool)
         positions = self.lengths()[:, None] + (valid.cumsum(1) - 1).clamp_min(0)
         mask = torch.cat([self.valid, valid], dim=1)
+        attention = mask.to(torch.long)
+        if tree is not None:
+            offsets, vis = tree
+            positions = self.lengths()[:, None] + offsets
+            B, w = tokens.shape
+            sees = torch.cat([self.valid[:, None].expand(B, w, self.length), vis], dim=2)[:, None]
+            dtype = next(self.model.parameters()).dtype
+            attention = torch.zeros(sees.shape, dtype=dtype, device=sees.device).masked_fill(~sees, torch.finfo(dtype).min)
         kwargs = {"logits_to_keep": 1} if last_only else {}
         out = self.model(
             input_ids=tokens,
-            attention_mask=mask.to(torch.long),
+            attention_mask=attention,
             position_ids=positions,
             past_key_values=self.cache,
             use_cache=True,
             **kwargs,
         )
+        self.block_start = self.length  # where this block's columns begin (keep_path)
         self.valid = mask
         return out.logits
 
     def rollback(self, lengths: torch.Tensor) -> None:
         """Roll back: row b keeps only its first ``lengths[b]`` valid tokens."""
         self.valid = self.valid & (self.valid.cumsum(1) <= lengths[:, None].to(self.valid.device))
+        self._trim()
+        self._maybe_compact()
+
+    def keep_path(self, start: torch.Tensor, path: torch.Tensor, n: torch.Tensor) -> None:
+        """After a tree pass: of the block's columns keep the root and the accepted nodes 1 + path[:n]
+        (their K/V were computed at the right positions; the others become holes)."""
+        B, w = self.valid.shape[0], self.length - self.block_start
+        steps = torch.arange(path.shape[1], device=path.device)[None]
+        keep = torch.zeros(B, w, dtype=torch.bool, device=self.valid.device)
+        keep[:, 0] = True
+        rows = torch.arange(B, device=path.device)[:, None].expand_as(path)
+        accepted = steps < n[:, None]
+        keep[rows[accepted], (path + 1)[accepted]] = True
+        self.valid[:, self.block_start :] &= keep
         self._trim()
         self._maybe_compact()
 

@@ -97,7 +97,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     if dtype in (None, "", "auto"):
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype not in DTYPES:
-        raise SpeculantError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+        raise SpeculantError(f"unknown dtype {dtype!r}: use auto or one of {', '.join(DTYPES)}")
     return DTYPES[dtype]
 
 

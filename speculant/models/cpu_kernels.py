@@ -1,0 +1,137 @@
+"""Which matmul kernels the CPU fast path runs, decided per machine (the CPU's ISA, this torch build).
+
+oneDNN can keep a weight reordered once ("packed") into the blocked layout its matmul kernels read.
+Decoding and verification then skip ``F.linear``'s per-call work and, in float32, a verify block of
+2-9 tokens costs little more than one token (MKL's ``F.linear`` costs ~1.6x). Packing needs:
+
+- float32: oneDNN in the torch build (any x86-64 CPU).
+- bfloat16: oneDNN *and* a CPU with AVX-512 (bw, vl, dq) or AVX-NE-CONVERT. On AVX2-only CPUs
+  oneDNN refuses bf16 weights; there one-token steps keep ``F.linear`` (PyTorch's bf16 GEMV, the
+  very kernel HF's bf16 decoding runs, so plain decoding stays bit for bit HF's) and blocks of more
+  than one token, which that GEMV would run row by row (cost linear in the width), go through
+  float32 oneDNN-packed copies of the bf16 weights (exact upcast, fp32 accumulation, rounded back).
+
+``SPECULANT_CPU_KERNELS`` (or ``kernels=``) overrides the choice: ``onednn`` (pack, or fail with
+one line where the CPU cannot), ``fp32-blocks`` (what bf16 gets without oneDNN bf16: one-token steps
+on ``F.linear``, wider blocks on fp32 packed copies; any CPU with oneDNN), ``aten`` (plain
+``F.linear`` everywhere). Tests force each on every machine, so no branch goes untested on any ISA.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import SpeculantError
+
+KERNEL_CHOICES = ("auto", "onednn", "fp32-blocks", "aten")
+ENV = "SPECULANT_CPU_KERNELS"
+
+
+def cpu_capability() -> str:
+    try:
+        return torch.backends.cpu.get_cpu_capability()
+    except (AttributeError, RuntimeError):
+        return "unknown"
+
+
+@functools.cache
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can pack (and multiply with) weights of this dtype on this CPU.
+
+    The capability answers for AVX-512 CPUs; elsewhere (AVX2, with or without AVX-NE-CONVERT, and
+    non-x86 CPUs) a 16x16 pack-and-multiply is tried once."""
+    try:
+        if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+            return False
+    except (AttributeError, RuntimeError):
+        return False
+    if dtype == torch.bfloat16 and cpu_capability().startswith("AVX512"):
+        return True  # ATen's AVX512 level implies avx512f/bw/vl/dq, which oneDNN's bf16 path needs
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=dtype), 1)
+        y = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 16, dtype=dtype), w, None, "none", [], "")
+        return bool(y.float().sum() == 256)
+    except RuntimeError:
+        return False
+
+
+class PackedLinear:
+    """A CPU weight reordered once into oneDNN's blocked layout (a second copy of it).
+
+    ``compute``: the dtype oneDNN multiplies in (the weight's own by default). A bf16 weight packed
+    as float32 computes on the exact upcast and returns bf16 (for CPUs without oneDNN bf16).
+    ``hint``: the batch size oneDNN picks its blocking for; 1 keeps bf16 results the same bits as
+    ``F.linear`` (tested), 8 serves the 1-16 token blocks of decoding best in float32 (measured)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, compute: torch.dtype | None = None,
+                 hint: int = 1):
+        self.out_dtype = weight.dtype
+        self.compute = compute or weight.dtype
+        w = weight.detach().to(self.compute).contiguous()
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(w, hint)
+        self.bias = None if bias is None else bias.detach().to(self.compute).contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.compute == self.out_dtype:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        y = torch.ops.mkldnn._linear_pointwise(x.to(self.compute), self.weight, self.bias, "none", [], "")
+        return y.to(self.out_dtype)
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """How one-token steps and wider blocks multiply. ``*_pack``: the dtype packed copies compute
+    in (None: ``F.linear`` over the model's own weights)."""
+
+    name: str  # reported in stats as "cpu_kernels"
+    step_pack: torch.dtype | None
+    block_pack: torch.dtype | None
+    hint: int = 1
+
+
+def _requested(kernels: str | None) -> str:
+    choice = kernels or os.environ.get(ENV) or "auto"
+    if choice not in KERNEL_CHOICES:
+        raise SpeculantError(f"unknown CPU kernel choice {choice!r} ({ENV} or kernels=): use one of "
+                             f"{', '.join(KERNEL_CHOICES)}")
+    return choice
+
+
+def plan(dtype: torch.dtype, weight_bytes: int, kernels: str | None = None) -> KernelPlan:
+    """The kernels for a model of this dtype and size on this CPU."""
+    choice = _requested(kernels)
+    if choice == "aten":
+        return KernelPlan("aten (F.linear)", None, None)
+    f32 = onednn_packs(torch.float32)
+    fp32_blocks = KernelPlan("aten steps + onednn-packed fp32 blocks", None, torch.float32, hint=8)
+    if choice == "fp32-blocks" and f32:
+        return fp32_blocks
+    if dtype == torch.float32 and f32:
+        want = KernelPlan("onednn-packed fp32", torch.float32, torch.float32, hint=8)
+        extra = weight_bytes
+    elif dtype == torch.bfloat16 and onednn_packs(torch.bfloat16):
+        want = KernelPlan("onednn-packed bf16", torch.bfloat16, torch.bfloat16, hint=1)
+        extra = weight_bytes
+    elif dtype == torch.bfloat16 and f32:
+        want = KernelPlan(f"{fp32_blocks.name} (no oneDNN bf16 on {cpu_capability()})", None, torch.float32, hint=8)
+        extra = 2 * weight_bytes
+    else:
+        if choice != "auto":
+            raise SpeculantError(f"oneDNN cannot pack {str(dtype).removeprefix('torch.')} weights on this CPU "
+                                 f"({cpu_capability()}): unset {ENV} or use kernels='auto'")
+        return KernelPlan(f"aten (F.linear; no oneDNN packing for {str(dtype).removeprefix('torch.')})", None, None)
+    if choice == "auto" and extra > _available_bytes() // 4:
+        return KernelPlan("aten (F.linear; too little free memory for packed copies)", None, None)
+    return want
+
+
+def _available_bytes() -> int:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:  # psutil missing or unreadable /proc: assume plenty
+        return 1 << 62

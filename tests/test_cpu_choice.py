@@ -1,0 +1,57 @@
+"""dtype "auto" on a CPU (models/cpu_choice.py): measured once per machine and model, cached, reported."""
+import json
+
+import pytest
+
+import speculant
+from speculant.cli import main
+from speculant.models import cpu_choice
+from helpers import hf_greedy, save_tiny_folder
+
+
+@pytest.fixture()
+def folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "cache"))
+    return str(save_tiny_folder(tmp_path / "model", seed=3))
+
+
+def test_measured_once_then_cached(folder, monkeypatch, capsys):
+    choice = cpu_choice.choose(folder)
+    assert choice.dtype in cpu_choice.CANDIDATES and not choice.cached
+    assert set(choice.ms_per_token) == set(cpu_choice.CANDIDATES) and min(choice.ms_per_token.values()) > 0
+    assert choice.ms_per_token[choice.dtype] == min(choice.ms_per_token.values())
+    assert choice.path == "fast"  # a Llama: the fast path
+    assert "measuring which dtype" in capsys.readouterr().err
+
+    def no_measuring(spec, rounds=2):
+        raise AssertionError("measured again: the cache was not used")
+
+    monkeypatch.setattr(cpu_choice, "measure", no_measuring)
+    again = cpu_choice.choose(folder)
+    assert again.cached and (again.dtype, again.path) == (choice.dtype, choice.path)
+    assert "cached" in again.describe()
+    # another machine (CPU, ISA, torch, threads or kernel choice) measures anew
+    monkeypatch.setattr(cpu_choice, "machine_key", lambda: "another CPU")
+    with pytest.raises(AssertionError, match="measured again"):
+        cpu_choice.choose(folder)
+
+
+def test_load_with_auto_dtype_reports_the_choice_and_stays_exact(folder):
+    gen = speculant.load(folder, drafter="ngram", gamma=3, device="cpu")
+    choice = cpu_choice.choose(folder)
+    assert str(gen.target.model.dtype) == f"torch.{choice.dtype}"
+    ids = gen.tokenizer("w5 w6 w7 w5 w6 w7 w5 w6")["input_ids"]
+    out = gen.generate_ids([ids], max_new_tokens=16)[0]
+    assert out.stats["dtype"] == choice.dtype and out.stats["dtype_choice"].startswith("auto: ")
+    assert out.stats["path"] == "fast" and "cpu_kernels" in out.stats
+    if choice.dtype == "float32":
+        assert out.token_ids == hf_greedy(gen.target.model, ids, 16)[: len(out.token_ids)]
+
+
+def test_cli_dtype_auto_and_a_bad_dtype(folder, capsys):
+    assert main(["generate", "w5 w6 w7", "--target", folder, "--max-new-tokens", "4", "--json", "--dtype", "auto"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["stats"]["dtype_choice"].startswith("auto: ")
+    assert main(["generate", "w5 w6 w7", "--target", folder, "--dtype", "float64"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown dtype 'float64'" in err
