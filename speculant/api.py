@@ -186,8 +186,7 @@ def load(target: str = "default", drafter: str | Drafter | None = None, gamma: i
 
     dtype: "auto" (default): bfloat16 on CUDA; on a CPU the dtype and path that measure fastest on
     this machine among the exact ones (models/cpu_choice.py: measured once, cached).
-    path: "auto" (the static-cache fast path on CUDA, with compile, or where dtype "auto" chose it),
-    "fast" or "general".
+    path: "auto" (the static-cache fast path where the architecture has one), "fast" or "general".
     compile: torch.compile the fast path's forward (worth it for long runs; compiling takes a while).
     """
     if path not in PATHS:
@@ -200,7 +199,6 @@ def load(target: str = "default", drafter: str | Drafter | None = None, gamma: i
     if dev.type == "cpu" and dtype in (None, "", "auto"):
         choice = choose_cpu_dtype(target)
         dtype = choice.dtype
-        path = choice.path if path == "auto" else path
     tgt = load_model(target, device=dev, dtype=dtype)
     d = make_drafter(drafter or DEFAULT_DRAFTER, tgt)
     gen = Generator(tgt, d, gamma, path, compile)

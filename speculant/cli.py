@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: bfloat16 on GPU; on a CPU "
                    "the exact dtype that decodes fastest there, measured once and cached)")
     g.add_argument("--path", default="auto", choices=["auto", "fast", "general"],
-                   help="fast = static KV cache + own Llama forward (default on CUDA and with --compile); "
+                   help="fast = static KV cache + own Llama forward (auto: where the architecture has one); "
                         "general = any HF model")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the fast path (seconds to minutes to start, faster after; "
@@ -81,6 +81,28 @@ def build_parser() -> argparse.ArgumentParser:
                         "needs lm-format-enforcer")
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="with --json: each token's logprob under the target and the top N alternatives")
+
+    c = sub.add_parser("check", help="prove a target + drafter exact: greedy identity and the sampled distribution",
+                       description="Checks that speculative decoding with DRAFTER leaves TARGET's output unchanged: "
+                                   "greedy text against Hugging Face generate (near-tie divergences listed with their "
+                                   "logit gaps) and the distribution of sampled tokens against the target's own "
+                                   "(a Kolmogorov-Smirnov test of their probability-integral transforms). "
+                                   "Exit code 1 if a check fails.")
+    c.add_argument("--target", default="default", help="'default', a model folder, or a .gguf file")
+    c.add_argument("--drafter", default=None, help=f"{DRAFTER_HELP}; default: ngram")
+    c.add_argument("--prompts", default=None, metavar="FILE", help="one prompt a line, or JSONL with a \"prompt\" "
+                   "field (default: 4 built-in prompts); the sampling check uses the first")
+    c.add_argument("--samples", type=int, default=400, help="sampled continuations for the distribution check")
+    c.add_argument("--gamma", type=_gamma_arg, default=4, help="draft tokens per pass in the sampling check")
+    c.add_argument("--max-new-tokens", type=int, default=24, help="greedy tokens per prompt")
+    c.add_argument("--top-p", type=float, default=1.0)
+    c.add_argument("--top-k", type=int, default=0)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--device", default=None)
+    c.add_argument("--dtype", default="auto")
+    c.add_argument("--path", default="auto", choices=["auto", "fast", "general"])
+    c.add_argument("--no-chat-template", action="store_true")
+    c.set_defaults(func=cmd_check)
 
     from .drafters.layerskip_tune import add_tune_layerskip_parser
 
@@ -176,6 +198,32 @@ def cmd_generate(args) -> int:
     sys.stdout.flush()
     print(_stats_line(gen.last.stats), file=sys.stderr)
     return 0
+
+
+def cmd_check(args) -> int:
+    from .api import check_gamma, load
+    from .check import read_prompt_file, run_check
+
+    if args.samples < 1:
+        raise SpeculantError(f"--samples must be >= 1, got {args.samples}")
+    if args.max_new_tokens < 1:
+        raise SpeculantError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.gamma == "auto":
+        raise SpeculantError("--gamma for the sampling check must be a fixed integer >= 1 (so drafts are verified)")
+    check_gamma(args.gamma)
+    from .sampling import SamplingParams
+
+    SamplingParams(temperature=1.0, top_p=args.top_p, top_k=args.top_k)  # bad values fail before any model work
+    prompts = read_prompt_file(args.prompts) if args.prompts else None
+    gen = load(args.target, drafter=args.drafter, device=args.device, dtype=args.dtype, path=args.path)
+    print(f"checking {args.target} with drafter {gen.drafter.describe()} ({gen.backend.name} path, "
+          f"{str(gen.target.model.dtype).removeprefix('torch.')})", flush=True)
+    results = run_check(gen, prompts, samples=args.samples, max_new_tokens=args.max_new_tokens, gamma=args.gamma,
+                        seed=args.seed, chat_template=not args.no_chat_template,
+                        sampling={"top_p": args.top_p, "top_k": args.top_k})
+    for r in results:
+        print("\n".join(r.lines()), flush=True)
+    return 0 if all(r.passed for r in results) else 1
 
 
 def main(argv=None) -> int:

@@ -89,7 +89,8 @@ class Stats:
             "draft_tokens": self.drafted,
             "accepted_draft_tokens": self.accepted,
             "acceptance_by_position": [round(a / d, 4) if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)],
-            **({"tree_passes": self.tree_passes, "mean_tree_nodes": round(self.tree_nodes / self.tree_passes, 3),
+            **({"tree_passes": self.tree_passes, "tree_nodes": self.tree_nodes,
+                "mean_tree_nodes": round(self.tree_nodes / self.tree_passes, 3),
                 "mean_accepted_depth": round(self.tree_accepted / self.tree_passes, 3)} if self.tree_passes else {}),
             "drafter_seconds": round(self.drafter_seconds, 4),
             "target_seconds": round(self.target_seconds, 4),
@@ -120,7 +121,7 @@ class Request:
     seed: int | None = None
     stop_check: object = None  # callable(row_tokens) -> index to cut at, or None
     logprobs: int | None = None  # top-N alternatives per token (0 = the chosen token's only)
-    gamma_max: int = 8  # the most "auto" may draft
+    gamma_max: int | None = None  # the most "auto" may draft per pass (None: by drafter, see Engine._gamma_max)
 
 
 def _sync(device: torch.device) -> None:
@@ -149,13 +150,13 @@ class Engine:
         stats = dict(drafter=self.drafter.describe(), gamma=req.gamma, backend=self.backend.info())
         rows = [Row(list(p), logprobs=None if req.logprobs is None else [], stats=Stats(**stats)) for p in req.prompts]
         active = list(range(len(rows)))  # batch slot -> row index
-        auto = GammaController(len(rows), req.gamma_max, costs=self.costs) if req.gamma == "auto" else None
+        most = req.gamma if isinstance(req.gamma, int) else self._gamma_max(req)
+        auto = GammaController(len(rows), most, costs=self.costs) if req.gamma == "auto" else None
         t0 = time.perf_counter()
 
         # Prefill: the target's first token comes from the prompt alone.
         longest = max(len(p) for p in req.prompts)
-        gamma_max = req.gamma if isinstance(req.gamma, int) else req.gamma_max
-        max_tokens = min(longest + req.max_new_tokens, self.context_length) + 2 * gamma_max + 2
+        max_tokens = min(longest + req.max_new_tokens, self.context_length) + 2 * most + 2
         state = self.backend.new_state(len(rows), max_tokens)
         self.state, self.slots = state, active  # for inspection (tests of the rollback invariant)
         tokens, valid = left_pad(req.prompts, dev)
@@ -209,6 +210,16 @@ class Engine:
             r.stats.seconds = total
             r.stats.new_tokens = len(r.tokens)
         return rows
+
+    def _gamma_max(self, req: Request) -> int:
+        """The most ``auto`` drafts per pass: 8 tokens for drafters that pay per draft token (models);
+        model-free ones (ngram, suffix) cost nothing more for longer drafts, so 16 tokens, or tree
+        nodes (48 on a GPU, where a pass verifies dozens of tokens at the price of one)."""
+        if req.gamma_max is not None:
+            return req.gamma_max
+        if self.drafter.makes_trees:
+            return 48 if self.device.type == "cuda" else 16
+        return 16 if self.drafter.free_drafts else 8
 
     def _draft(self, auto, req: Request, room: int, batch: int) -> tuple[Proposal, list[int]]:
         """Propose, within ``room`` draft tokens: a chain of γ tokens per row (γ chosen first), or
@@ -332,7 +343,7 @@ def _cap(prop: Proposal, caps: list[int]) -> Proposal:
     width = int(lengths.max()) if lengths.numel() else 0
 
     def cut(t):
-        return t[:, :width] if t is not None else None
+        return t[:, :width] if t is not None and width else None  # no nodes left: no tree either
 
     return Proposal(prop.tokens[:, :width], lengths, cut(prop.probs), cut(prop.parents), cut(prop.scores))
 

@@ -74,7 +74,8 @@ def path_block_index(path: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     """Block positions [B, max n + 1] of the root and the accepted nodes (padded with the last one):
     where the scores that decided each emitted token sit."""
     width = int(n.max()) if n.numel() else 0
-    steps = torch.cat([torch.zeros_like(path[:, :1]), path[:, :width].clamp_min(-1) + 1], 1)
+    root = torch.zeros(path.shape[0], 1, dtype=path.dtype, device=path.device)
+    steps = torch.cat([root, path[:, :width] + 1], 1)
     last = steps.gather(1, n[:, None])
     pad = torch.arange(width + 1, device=path.device)[None] > n[:, None]
     return torch.where(pad, last, steps)

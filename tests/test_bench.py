@@ -49,10 +49,12 @@ def test_missing_and_empty_prompt_files(tmp_path):
 def test_shipped_suite_and_selection():
     prompts = read_prompts()
     cats = list(dict.fromkeys(p.category for p in prompts))
-    assert len(cats) == 7 and all(sum(p.category == c for p in prompts) >= 20 for c in cats)
+    # seven Spec-Bench-like categories and our agentic one (outputs that repeat their inputs)
+    assert len(cats) == 8 and cats[-1] == "agentic" and sum(p.category == "agentic" for p in prompts) >= 12
+    assert all(sum(p.category == c for p in prompts) >= 20 for c in cats[:-1])
     assert [p.id for p in prompts] == list(range(len(prompts)))
     two = select_prompts(prompts, per_category=2)
-    assert len(two) == 14 and all(sum(p.category == c for p in two) == 2 for c in cats)
+    assert len(two) == 16 and all(sum(p.category == c for p in two) == 2 for c in cats)
     only = select_prompts(prompts, [cats[1]], 3)
     assert {p.category for p in only} == {cats[1]} and len(only) == 3
     with pytest.raises(SpeculantError, match="unknown category nope"):

@@ -87,8 +87,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 | auto (default: float32 on CPU, "
                    "bfloat16 on GPU)")
     b.add_argument("--path", default="auto", choices=["auto", "fast", "general"],
-                   help="speculant's forward: auto (fast on CUDA), fast (static cache; layerskip then shares "
-                        "the target's cache), general")
+                   help="speculant's forward: auto (fast where the architecture has one), fast (static cache; "
+                        "layerskip then shares the target's cache), general")
     b.add_argument("--no-chat-template", action="store_true", help="feed prompts as raw text (base models)")
     b.add_argument("--out", default=None, help="results folder (default: bench-out/<machine>-<date>)")
     b.add_argument("--quick", action="store_true",

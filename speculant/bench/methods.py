@@ -157,6 +157,10 @@ class MethodRunner:
             if d in self.generators:
                 continue
             drafter = make_drafter(d, self.target)
+            if hasattr(drafter, "forget_same_prompt"):
+                # suffix keeps earlier outputs for later requests; a prompt run again (warm-up, repeats,
+                # other settings) must not draft from its own earlier output: a bench measures new requests
+                drafter.forget_same_prompt = True
             self.generators[d] = Generator(self.target, drafter, path=path)
             if d.startswith("model:"):
                 # make_drafter's load is memoised: this is the very model speculant drafts with
@@ -217,6 +221,7 @@ class MethodRunner:
                 "acceptance_by_position": list(s["acceptance_by_position"]),
                 "engine_seconds": s["seconds"], "drafter_seconds": s["drafter_seconds"],
                 "target_seconds": s["target_seconds"], "finish_reason": o.finish_reason,
+                "tree_passes": s.get("tree_passes", 0), "tree_nodes": s.get("tree_nodes", 0),
             })
         return rows, {}
 

@@ -93,6 +93,8 @@ def _group_metrics(recs: list[dict], rows: list[dict], ref: dict) -> dict:
         by_repeat[rec.get("repeat", 0)][1] += rec["seconds"]
         by_repeat[rec.get("repeat", 0)][0] += sum(r["new_tokens"] for r in rec["rows"])
     tau = _ratio(tokens, passes) if passes else None
+    tree_passes = sum(r.get("tree_passes") or 0 for r in rows)
+    drafter_seconds = sum(r.get("drafter_seconds") or 0.0 for r in rows)
     out = {
         "prompts": len({r["prompt_id"] for r in rows}),
         "calls": len(recs),
@@ -104,6 +106,9 @@ def _group_metrics(recs: list[dict], rows: list[dict], ref: dict) -> dict:
         "mean_accepted_tokens": tau,
         "target_passes_per_token": _ratio(passes, tokens) if passes else None,
         "acceptance_by_position": acceptance_by_position(rows) if drafted else [],
+        # token trees: nodes verified per tree pass; what drafting costs per target pass
+        "mean_tree_nodes": _ratio(sum(r.get("tree_nodes") or 0 for r in rows), tree_passes) if tree_passes else None,
+        "drafter_us_per_pass": drafter_seconds / passes * 1e6 if passes and drafted else None,
         "peak_memory_bytes": max(rec["peak_memory_bytes"] for rec in recs),
         "peak_memory_above_start_bytes": max(rec.get("peak_memory_above_start_bytes", 0) for rec in recs),
     }

@@ -70,8 +70,8 @@ def primary_table(summary: list[dict], categories: list[str]) -> str:
     """Method rows x category columns: speedup vs HF generate and τ; then the overall numbers.
     ``summary``: the primary rows only."""
     cols = categories + [ALL]
-    head = "| method | " + " | ".join(cols) + " | tok/s | α | peak MiB | identical |"
-    lines = [head, "|" + "---|" * (len(cols) + 5)]
+    head = "| method | " + " | ".join(cols) + " | tok/s | α | tree nodes/pass | drafter µs/pass | peak MiB | identical |"
+    lines = [head, "|" + "---|" * (len(cols) + 7)]
     for m in method_order(find(summary)):
         cells = []
         for c in cols:
@@ -86,6 +86,7 @@ def primary_table(summary: list[dict], categories: list[str]) -> str:
         ident = a["identical"] if not a["identical"].startswith("NO") else f"**❌ {a['identical']}**"
         lines.append(f"| {m} | " + " | ".join(cells) +
                      f" | {_fmt(a['tokens_per_second'], '.1f')} | {_fmt(a['acceptance_rate'])} "
+                     f"| {_fmt(a.get('mean_tree_nodes'), '.1f')} | {_fmt(a.get('drafter_us_per_pass'), '.0f')} "
                      f"| {_fmt(_mib(a['peak_memory_bytes']), '.0f')} | {ident} |")
     return "\n".join(lines)
 

@@ -9,9 +9,10 @@ from .layerskip import LayerSkipDrafter
 from .model import ModelDrafter
 from .ngram import NgramDrafter
 from .none import NoDrafter
+from .suffix import SuffixDrafter
 
 DRAFTER_HELP = (
-    "none | ngram | model:PATH (PATH: a model folder, a .gguf file, or 'default'; another tokenizer works "
+    "none | ngram | ngram:tree | suffix | model:PATH (PATH: a model folder, a .gguf file, or 'default'; another tokenizer works "
     "through text) | layerskip[:FILE.json|:A-B:STEP] | cascade:A,B (A: ngram or model:PATH, B: model:PATH or layerskip)"
 )
 
@@ -49,7 +50,7 @@ def validate_drafter_spec(spec) -> None:
         return
     if not isinstance(spec, str) or not spec:
         raise SpeculantError(f"unknown drafter {spec!r}: use {DRAFTER_HELP}")
-    if spec in ("none", "ngram"):
+    if spec in ("none", "ngram", "ngram:tree", "suffix"):
         return
     if spec.startswith("model:"):
         from ..models.loading import resolve_model_path
@@ -83,6 +84,11 @@ def make_drafter(spec, target, device=None, dtype=None) -> Drafter:
         return NoDrafter()
     if spec == "ngram":
         return NgramDrafter()
+    if spec == "ngram:tree":
+        return NgramDrafter(tree=True)
+    if spec == "suffix":
+        vocab = target.tokenizer.name_or_path if target.tokenizer is not None else target.name
+        return SuffixDrafter(corpus=(vocab, len(target.tokenizer) if target.tokenizer is not None else None))
     if spec.startswith("model:"):
         path = spec[len("model:") :]
         draft = _load_draft(path, target, device, dtype)
@@ -123,6 +129,7 @@ __all__ = [
     "ModelDrafter",
     "NgramDrafter",
     "NoDrafter",
+    "SuffixDrafter",
     "make_drafter",
     "check_same_tokenizer",
     "same_vocabulary",

@@ -30,6 +30,21 @@ class Proposal:
     scores: torch.Tensor | None = None  # [B, γ] the drafter's estimate that the target's text passes each node
 
 
+def tree_proposal(trees: list[tuple[list[int], list[int], list[float]]], device) -> Proposal:
+    """Per row (tokens, parents, scores) of a best-first tree -> a padded tree Proposal (one-hot q)."""
+    B, width = len(trees), max((len(t[0]) for t in trees), default=0)
+    tokens = torch.zeros(B, width, dtype=torch.long)
+    parents = torch.full((B, width), -1, dtype=torch.long)
+    scores = torch.zeros(B, width)
+    for row, (toks, pars, sc) in enumerate(trees):
+        if toks:
+            tokens[row, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+            parents[row, : len(pars)] = torch.tensor(pars, dtype=torch.long)
+            scores[row, : len(sc)] = torch.tensor(sc, dtype=torch.float32)
+    lengths = torch.tensor([len(t[0]) for t in trees], dtype=torch.long)
+    return Proposal(tokens.to(device), lengths.to(device), None, parents.to(device), scores.to(device))
+
+
 @dataclass
 class DraftContext:
     """What a drafter is given at the start of a generation."""
@@ -47,6 +62,8 @@ class Drafter(ABC):
     name: str = "drafter"
     # proposes token trees: the engine asks for its whole budget, then keeps the best nodes
     makes_trees: bool = False
+    # proposing costs next to nothing and does not grow with the draft's length (model-free drafters)
+    free_drafts: bool = False
     # seconds of the last ``propose`` spent on one-off catch-up (a lazy prompt prefill): gamma="auto"
     # leaves them out of the drafter's per-token cost
     catchup_seconds: float = 0.0

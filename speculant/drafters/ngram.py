@@ -1,28 +1,36 @@
 """``ngram``: model-free prompt lookup (Saxena 2023). Find the latest earlier occurrence of the
 last n tokens of prompt + output and propose what followed it. Deterministic, so its q is one-hot.
 
-An index from each n-gram to where its most recent continuation starts is kept up to date as
-tokens arrive, so a proposal costs O(max_ngram) per row, not a scan of the text.
+An index from each n-gram to where its recent continuations start is kept up to date as tokens
+arrive, so a proposal costs O(max_ngram) per row, not a scan of the text.
+
+``ngram:tree`` proposes the continuations of the longest matching n-gram's last ``tree_matches``
+occurrences at once, merged into a token tree (shared prefixes once), each node scored by the
+share of those occurrences that continue through it, best first.
 """
 from __future__ import annotations
 
 import torch
 
-from .base import DraftContext, Drafter, Proposal
+from .base import DraftContext, Drafter, Proposal, tree_proposal
 
 
 class NgramDrafter(Drafter):
     name = "ngram"
+    free_drafts = True
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, tree: bool = False, tree_matches: int = 8):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("n-gram sizes must satisfy 1 <= min <= max")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.tree, self.tree_matches = tree, tree_matches
+        self.makes_trees = tree
+        self.name = "ngram:tree" if tree else "ngram"
 
     def start(self, ctx: DraftContext) -> None:
         self.device = ctx.device
         self.texts: list[list[int]] = []
-        self.index: list[dict[tuple, int]] = []
+        self.index: list[dict[tuple, list[int]]] = []
         for prompt in ctx.prompts:
             self.texts.append([])
             self.index.append({})
@@ -30,21 +38,30 @@ class NgramDrafter(Drafter):
 
     def _extend(self, row: int, tokens: list[int]) -> None:
         text, index = self.texts[row], self.index[row]
+        keep = self.tree_matches if self.tree else 1
         for tok in tokens:
             k = len(text)  # tok lands at position k: it continues every n-gram ending at k-1
             for n in range(self.min_ngram, self.max_ngram + 1):
                 if k >= n:
-                    index[tuple(text[k - n : k])] = k
+                    starts = index.setdefault(tuple(text[k - n : k]), [])
+                    starts.append(k)
+                    if len(starts) > keep:
+                        del starts[0]
             text.append(tok)
+
+    def _matches(self, row: int, tail: list[int]) -> list[int]:
+        """Where the longest n-gram ending ``tail`` continued, latest last (indices into the text)."""
+        index = self.index[row]
+        for n in range(min(self.max_ngram, len(tail)), self.min_ngram - 1, -1):
+            starts = index.get(tuple(tail[-n:]))
+            if starts:
+                return starts
+        return []
 
     def _match(self, row: int, tail: list[int]) -> int | None:
         """Where the longest n-gram ending ``tail`` last continued (an index into the row's text)."""
-        index = self.index[row]
-        for n in range(min(self.max_ngram, len(tail)), self.min_ngram - 1, -1):
-            at = index.get(tuple(tail[-n:]))
-            if at is not None:
-                return at
-        return None
+        starts = self._matches(row, tail)
+        return starts[-1] if starts else None
 
     def _lookup(self, row: int, gamma: int) -> list[int]:
         """Copy what followed the latest match; when that runs into the end of the text (a repeating
@@ -58,7 +75,26 @@ class NgramDrafter(Drafter):
             out.extend(text[at : at + gamma - len(out)])
         return out
 
+    def _tree(self, row: int, budget: int):
+        """The continuations of the last few matches as one tree: (tokens, parents, scores), best first."""
+        text = self.texts[row]
+        starts = [s for s in self._matches(row, text[-self.max_ngram :]) if s < len(text)]
+        if not starts:
+            return [], [], []
+        trie: dict[tuple, int] = {}  # path of tokens -> how many continuations pass through it
+        for s in starts:
+            cont = text[s : s + budget]
+            for d in range(1, len(cont) + 1):
+                trie[tuple(cont[:d])] = trie.get(tuple(cont[:d]), 0) + 1
+        # best first: by share of matches, deeper after shallower on ties, so parents come first
+        kept = sorted(trie, key=lambda path: (-trie[path], len(path)))[:budget]
+        index = {path: i for i, path in enumerate(kept)}
+        return ([path[-1] for path in kept], [index.get(path[:-1], -1) for path in kept],
+                [trie[path] / len(starts) for path in kept])
+
     def propose(self, gamma: int) -> Proposal:
+        if self.tree:
+            return tree_proposal([self._tree(row, gamma) for row in range(len(self.texts))], self.device)
         found = [self._lookup(row, gamma) for row in range(len(self.texts))]
         tokens = torch.zeros(len(found), gamma, dtype=torch.long)
         for row, cont in enumerate(found):

@@ -28,7 +28,7 @@ def use_persistent_compile_cache() -> None:
 class Backend:
     """Makes KV states for one model.
 
-    path: auto (fast on CUDA or with compile, when the architecture is supported), fast, general.
+    path: auto (fast when the architecture is supported, else general), fast, general.
     graphs: on CUDA, replay the fast forward as CUDA graphs (default on with the fast path there).
     compile: wrap the fast forward in torch.compile (the CPU's equivalent: fused C++ kernels).
     kernels: the CPU fast path's matmul kernels ("auto", "onednn", "aten"; see cpu_kernels).
@@ -41,9 +41,9 @@ class Backend:
         self.model = model
         device = next(model.parameters()).device
         ok, why = supports(model)
-        # auto: fast on CUDA, and wherever compiling was asked for (it compiles the fast path only)
-        want_fast = path == "fast" or (path == "auto" and (device.type == "cuda" or compile))
-        if want_fast and not ok and not quiet:
+        # auto: the fast path wherever the architecture has one (faster on every device measured)
+        want_fast = path in ("fast", "auto")
+        if (path == "fast" or compile) and not ok and not quiet:
             print(f"speculant: {why}; using the general path", file=sys.stderr)
         if compile:
             use_persistent_compile_cache()

@@ -1,0 +1,163 @@
+"""``speculant check``: the exactness proof a user runs on their own target and drafter.
+
+1. Greedy identity: each prompt's greedy text with speculation against Hugging Face ``generate``
+   of the same target. A divergence is listed with the reference's logit gap there: in float32 it
+   must be a tie within float noise (1e-3), in bf16/fp16 within 4 rounding steps of the top logit
+   (two valid bf16 computations of one model differ by that much); anything wider fails.
+2. Sampling: ``samples`` continuations of one prompt (the user's first, or a built-in one whose
+   answer repeats itself, so drafts are accepted) at temperature 1 (top-p/top-k as given),
+   drafted with a fixed γ, against the target's own distribution. Each sampled token gets its
+   randomised probability-integral transform under the target's exact conditional distribution
+   (one forward pass over the sampled text): u = F(y-) + U·p(y). If the samples follow the target
+   the u's are i.i.d. uniform on (0, 1) (the prequential PIT), whatever the vocabulary size, so
+   a Kolmogorov-Smirnov test gives a p-value; a wrong acceptance rule shifts them.
+Prints PASS/FAIL per check; the CLI exits 1 on any FAIL.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import SpeculantError
+
+DEFAULT_PROMPTS = [
+    "Write a haiku about rivers.",
+    "Explain in two sentences why the sky is blue.",
+    "List three uses of a paperclip.",
+    "Translate to French: The cat sleeps on the warm windowsill.",
+]
+# the sampling check's default prompt: text that repeats, so drafts get accepted and judged
+SAMPLING_PROMPT = "Repeat this sentence three times: The quick brown fox jumps over the lazy dog."
+P_THRESHOLD = 1e-3
+
+
+@dataclass
+class CheckResult:
+    name: str
+    passed: bool
+    summary: str
+    details: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        return [f"{'PASS' if self.passed else 'FAIL'}  {self.name}: {self.summary}"] + [f"      {d}" for d in self.details]
+
+
+def near_tie_limit(dtype: torch.dtype, top_logit: float) -> float:
+    """How far apart two logits may be and still be a rounding near-tie in this dtype."""
+    if dtype in (torch.bfloat16, torch.float16):
+        mantissa = 7 if dtype == torch.bfloat16 else 10
+        return 4 * 2.0 ** (math.floor(math.log2(max(abs(top_logit), 1e-6))) - mantissa)
+    return 1e-3
+
+
+def greedy_check(gen, prompts: list[list[int]], max_new_tokens: int) -> CheckResult:
+    model = gen.target.model
+    device = next(model.parameters()).device
+    identical, details, ok = 0, [], True
+    for i, ids in enumerate(prompts):
+        x = torch.tensor([ids], device=device)
+        with torch.no_grad():
+            ref = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                                 do_sample=False)[0, len(ids):].tolist()
+        got = gen.generate_ids([ids], max_new_tokens=max_new_tokens)[0].token_ids
+        k = next((j for j, (a, b) in enumerate(zip(ref, got)) if a != b), None)
+        if k is None:
+            if len(ref) == len(got) or (len(got) < len(ref) and got and got[-1] in gen.target.eos_token_ids):
+                identical += 1
+                continue
+            k = min(len(ref), len(got))
+            if k >= len(ref) or k >= len(got):
+                ok = False
+                details.append(f"prompt {i}: lengths differ (reference {len(ref)} tokens, speculant {len(got)})")
+                continue
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + ref[:k]], device=device)).logits[0, -1].float()
+        top, gap = float(logits[ref[k]]), float(logits[ref[k]] - logits[got[k]])
+        limit = near_tie_limit(model.dtype, top)
+        tie = gap <= limit
+        ok &= tie
+        details.append(f"prompt {i}: diverges at new token {k} (reference {ref[k]}, speculant {got[k]}), "
+                       f"reference logit gap {gap:.3g} ({'a near-tie' if tie else 'NOT a near-tie'}: limit {limit:.3g})")
+    summary = f"{identical}/{len(prompts)} prompts token-identical to HF generate"
+    if identical < len(prompts) and ok:
+        summary += " (the rest diverge only at near-ties)"
+    return CheckResult("greedy identity", ok, summary, details)
+
+
+def sampling_check(gen, prompt: list[int], samples: int, new_tokens: int, gamma: int, seed: int,
+                   sampling: dict, chunk: int = 64) -> CheckResult:
+    from scipy.stats import kstest
+
+    from .sampling import LogitsProcessing, SamplingParams, TokenHistory
+
+    model = gen.target.model
+    device = next(model.parameters()).device
+    params = SamplingParams(**{"temperature": 1.0, **sampling})
+    proc = LogitsProcessing(params, gen.engine.vocab_size)
+    g = torch.Generator().manual_seed(seed)
+    u_all, drafted, accepted = [], 0, 0
+    for start in range(0, samples, chunk):
+        rows = min(chunk, samples - start)
+        outs = gen.generate_ids([prompt] * rows, max_new_tokens=new_tokens, gamma=gamma, seed=seed + start,
+                                **params.__dict__)
+        drafted += sum(o.stats["draft_tokens"] for o in outs)
+        accepted += sum(o.stats["accepted_draft_tokens"] for o in outs)
+        by_length: dict[int, list[list[int]]] = {}
+        for o in outs:
+            if o.token_ids:
+                by_length.setdefault(len(o.token_ids), []).append(o.token_ids)
+        for length, seqs in by_length.items():  # exact p(y_t | prompt, y_<t) for every sampled token
+            y = torch.tensor(seqs)
+            with torch.no_grad():
+                x = torch.cat([torch.tensor([prompt]).expand(len(seqs), -1), y], 1).to(device)
+                logits = model(x).logits[:, len(prompt) - 1 : -1]
+            context = TokenHistory([prompt] * len(seqs), logits.shape[-1], device, params).block(y[:, :-1].to(device))
+            p = proc.probs(logits, context).double().cpu()
+            p_y = p.gather(2, y[..., None]).squeeze(2)
+            below = torch.cumsum(p, -1).gather(2, y[..., None]).squeeze(2) - p_y
+            u_all.append((below + torch.rand(y.shape, generator=g, dtype=torch.float64) * p_y).clamp(0, 1).flatten())
+    u = torch.cat(u_all)
+    pvalue = float(kstest(u.numpy(), "uniform").pvalue)
+    alpha = accepted / drafted if drafted else 0.0
+    passed = pvalue > P_THRESHOLD
+    summary = (f"{len(u)} sampled tokens ({samples} samples x {new_tokens}) fit the target's own distribution: "
+               f"KS p-value {pvalue:.3g} (fail below {P_THRESHOLD:g}); drafts accepted {alpha:.2f}")
+    details = []
+    if drafted == 0 or accepted == 0:
+        details.append("warning: no draft token was accepted, so this check did not exercise speculation")
+    return CheckResult("sampling distribution", passed, summary, details)
+
+
+def run_check(gen, prompts: list[str] | None = None, samples: int = 400, max_new_tokens: int = 24,
+              sample_tokens: int = 6, gamma: int = 4, seed: int = 0, chat_template: bool = True,
+              sampling: dict | None = None) -> list[CheckResult]:
+    if samples < 1:
+        raise SpeculantError(f"--samples must be >= 1, got {samples}")
+    ids = [gen.encode(t, chat_template) for t in prompts or DEFAULT_PROMPTS]
+    sample_prompt = ids[0] if prompts else gen.encode(SAMPLING_PROMPT, chat_template)
+    return [greedy_check(gen, ids, max_new_tokens),
+            sampling_check(gen, sample_prompt, samples, sample_tokens, gamma, seed, sampling or {})]
+
+
+def read_prompt_file(path: str) -> list[str]:
+    """One prompt a line, or JSONL lines with a "prompt" field (a bench suite)."""
+    import json
+
+    try:
+        lines = [line for line in open(path, encoding="utf-8").read().splitlines() if line.strip()]
+    except OSError as e:
+        raise SpeculantError(f"cannot read the prompt file {path!r} ({e.strerror}): give a readable file") from None
+    out = []
+    for line in lines:
+        if line.lstrip().startswith("{"):
+            try:
+                out.append(str(json.loads(line)["prompt"]))
+            except (ValueError, KeyError, TypeError):
+                raise SpeculantError(f"{path}: a JSON line without a \"prompt\" string: {line[:60]!r}") from None
+        else:
+            out.append(line)
+    if not out:
+        raise SpeculantError(f"the prompt file {path!r} has no prompts")
+    return out

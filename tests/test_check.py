@@ -1,0 +1,72 @@
+"""``speculant check`` (check.py): passes on an exact setup, fails on a wrong acceptance rule, lists
+near-tie divergences with their gaps, and answers bad input in one line."""
+import pytest
+import torch
+
+import speculant
+from speculant.check import greedy_check, near_tie_limit, sampling_check
+from speculant.cli import main
+from speculant.drafters import ModelDrafter
+from speculant.models import LoadedModel
+from helpers import save_tiny_folder
+from test_engine_sampling import peaked
+
+
+def _gen(drafter):
+    return speculant.Generator(LoadedModel(peaked(0), None, "tiny"), drafter)
+
+
+def test_sampling_check_passes_an_exact_drafter_and_fails_a_wrong_residual(monkeypatch):
+    prompt = [0, 1, 2, 0, 1, 3, 0, 1]
+    good = sampling_check(_gen(ModelDrafter(peaked(1))), prompt, samples=1500, new_tokens=6, gamma=3, seed=0,
+                          sampling={})
+    assert good.passed, good.summary
+    import speculant.verify as verify
+
+    monkeypatch.setattr(verify, "residual_distribution", lambda p, q: p)  # the classic mistake
+    bad = sampling_check(_gen(ModelDrafter(peaked(1))), prompt, samples=1500, new_tokens=6, gamma=3, seed=0,
+                         sampling={})
+    assert not bad.passed and "KS p-value" in bad.summary, bad.summary
+
+
+def test_greedy_check_lists_a_divergence_with_its_gap_and_fails_a_real_one(monkeypatch):
+    gen = _gen(ModelDrafter(peaked(1)))
+    prompts = [[0, 1, 2, 0, 1, 3, 0, 1], [3, 2, 1]]
+    assert greedy_check(gen, prompts, 12).passed
+    real = gen.generate_ids
+
+    def off_by_one(ids, max_new_tokens=128, **kw):  # a broken engine: one token replaced
+        outs = real(ids, max_new_tokens, **kw)
+        outs[0].token_ids[2] = (outs[0].token_ids[2] + 1) % 4
+        return outs
+
+    monkeypatch.setattr(gen, "generate_ids", off_by_one)
+    result = greedy_check(gen, prompts, 12)
+    assert not result.passed and "NOT a near-tie" in result.details[0] and "logit gap" in result.details[0]
+
+
+def test_near_tie_limits():
+    assert near_tie_limit(torch.float32, 20.0) == 1e-3
+    assert near_tie_limit(torch.bfloat16, 20.0) == 4 * 2.0 ** (4 - 7)  # 4 bf16 steps at 16..32
+
+
+def test_cli_check_on_a_model_folder(tmp_path, capsys):
+    folder = save_tiny_folder(tmp_path / "m", seed=0)
+    code = main(["check", "--target", str(folder), "--drafter", "ngram", "--samples", "64", "--max-new-tokens", "8",
+                 "--dtype", "float32"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "PASS  greedy identity" in out and "PASS  sampling distribution" in out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--samples", "0"], "--samples must be >= 1"),
+    (["--gamma", "auto"], "must be a fixed integer"),
+    (["--top-p", "1.5"], "top-p must be in (0, 1]"),
+    (["--prompts", "/nonexistent/prompts.txt"], "cannot read the prompt file"),
+    (["--target", "/nonexistent/model"], "does not exist"),
+])
+def test_cli_check_bad_input_is_one_line(args, message, capsys):
+    assert main(["check", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
