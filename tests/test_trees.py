@@ -99,7 +99,10 @@ def test_greedy_identical_to_hf_with_trees(kind, gamma, batch, path):
         assert out.token_ids == ref, mismatch_report(target, p, ref, out.token_ids)
     passes = sum(o.stats.get("tree_passes", 0) for o in outs)
     accepted = sum(o.stats["accepted_draft_tokens"] for o in outs)
-    assert passes > 0 and accepted > 0, "no tree was verified or accepted: this case tests nothing"
+    assert passes > 0, "no tree was verified: this case tests nothing"
+    # with gamma auto the controller may (rightly, by measured costs) stop drafting for a drafter
+    # whose trees the random model rejects; fixed budgets and the oracle must get nodes accepted
+    assert accepted > 0 or (gamma == "auto" and kind != "oracle"), "no tree node was accepted"
 
 
 @pytest.mark.parametrize("path", ["general", "fast"])
@@ -206,3 +209,27 @@ class BadTree(SampledTree):
 def test_a_tree_whose_parents_are_not_earlier_nodes_is_one_line():
     with pytest.raises(SpeculantError, match="bad draft tree: node 2 of row 0 has parent 3"):
         speculant.generate(peaked(0), [0, 1, 2], drafter=BadTree(Q, False), gamma=4, max_new_tokens=8)
+
+
+def test_suffix_arctic_without_its_module_is_one_line(monkeypatch):
+    from speculant.drafters import arctic_suffix, validate_drafter_spec
+
+    monkeypatch.setattr(arctic_suffix, "available", lambda: False)
+    with pytest.raises(SpeculantError, match="needs ArcticInference's suffix module"):
+        validate_drafter_spec("suffix:arctic")
+
+
+@pytest.mark.parametrize("path", ["general", "fast"])
+def test_suffix_arctic_greedy_identical_where_installed(path):
+    from speculant.drafters import arctic_suffix
+
+    if not arctic_suffix.available():
+        pytest.skip("ArcticInference's suffix module is not installed (it builds from source only)")
+    target = tiny_llama(0)
+    prompts = _prompts(4)
+    refs = [hf_greedy(target, p, 40) for p in prompts]
+    outs = speculant.generate(target, prompts, drafter=arctic_suffix.ArcticSuffixDrafter(), gamma=6,
+                              max_new_tokens=40, path=path)
+    for p, ref, out in zip(prompts, refs, outs):
+        assert out.token_ids == ref, mismatch_report(target, p, ref, out.token_ids)
+    assert sum(o.stats.get("tree_passes", 0) for o in outs) > 0

@@ -12,7 +12,7 @@ from .none import NoDrafter
 from .suffix import SuffixDrafter
 
 DRAFTER_HELP = (
-    "none | ngram | ngram:tree | suffix | model:PATH (PATH: a model folder, a .gguf file, or 'default'; another tokenizer works "
+    "none | ngram | ngram:tree | suffix | suffix:arctic | dflash (the shipped one) | dflash:DIR | trained:DIR | model:PATH (PATH: a model folder, a .gguf file, or 'default'; another tokenizer works "
     "through text) | layerskip[:FILE.json|:A-B:STEP] | cascade:A,B (A: ngram or model:PATH, B: model:PATH or layerskip)"
 )
 
@@ -50,12 +50,27 @@ def validate_drafter_spec(spec) -> None:
         return
     if not isinstance(spec, str) or not spec:
         raise SpeculantError(f"unknown drafter {spec!r}: use {DRAFTER_HELP}")
-    if spec in ("none", "ngram", "ngram:tree", "suffix"):
+    if spec in ("none", "ngram", "ngram:tree", "suffix", "dflash"):  # dflash: the shipped one, if any
+        return
+    if spec == "suffix:arctic":
+        from .arctic_suffix import HOW_TO, available
+
+        if not available():
+            raise SpeculantError(HOW_TO)
         return
     if spec.startswith("model:"):
         from ..models.loading import resolve_model_path
 
         resolve_model_path(spec[len("model:") :] or "")
+        return
+    if spec.startswith(("dflash:", "trained:")):
+        from ..trained.format import read_config
+
+        kind, folder = spec.split(":", 1)
+        cfg = read_config(folder)
+        if kind != "trained" and cfg["speculators_model_type"] != kind:
+            raise SpeculantError(f"'{folder}' holds a {cfg['speculators_model_type']} drafter, not {kind}: "
+                                 f"use --drafter {cfg['speculators_model_type']}:{folder} or trained:{folder}")
         return
     if spec == "layerskip" or spec.startswith("layerskip:"):
         from .layerskip import validate_layerskip_spec
@@ -86,6 +101,23 @@ def make_drafter(spec, target, device=None, dtype=None) -> Drafter:
         return NgramDrafter()
     if spec == "ngram:tree":
         return NgramDrafter(tree=True)
+    if spec.startswith(("dflash:", "trained:")):
+        from .dflash import load_dflash
+
+        return load_dflash(spec.split(":", 1)[1], target.model, target.name)
+    if spec == "dflash":
+        from ..trained.format import shipped_for
+        from .dflash import load_dflash
+
+        folder = shipped_for(target.model, "dflash")
+        if folder is None:
+            raise SpeculantError(f"no DFlash drafter ships for {target.name}: train one with `speculant train "
+                                 f"--target ... --out DIR` and use --drafter dflash:DIR")
+        return load_dflash(folder, target.model, target.name)
+    if spec == "suffix:arctic":
+        from .arctic_suffix import ArcticSuffixDrafter
+
+        return ArcticSuffixDrafter()
     if spec == "suffix":
         vocab = target.tokenizer.name_or_path if target.tokenizer is not None else target.name
         return SuffixDrafter(corpus=(vocab, len(target.tokenizer) if target.tokenizer is not None else None))

@@ -56,6 +56,9 @@ class DraftContext:
     vocab_size: int  # the target's: q must have this width
     max_tokens: int | None = None  # an upper bound on any row's length (sizes static caches)
     target_state: object | None = None  # the target's KV state, for a drafter that shares it (layerskip)
+    # per row, the target's hidden states at the drafter's ``hidden_layers`` for every prompt token
+    # [prompt length, len(hidden_layers), H]; None unless the drafter asks for hidden states
+    prompt_hidden: list | None = None
 
 
 class Drafter(ABC):
@@ -64,6 +67,14 @@ class Drafter(ABC):
     makes_trees: bool = False
     # proposing costs next to nothing and does not grow with the draft's length (model-free drafters)
     free_drafts: bool = False
+    # the target layers whose hidden states this drafter reads (trained drafters): the verify pass
+    # returns them at no extra pass (id L < target layers: the input of layer L; id = target layers:
+    # the final normed state) and the engine hands over those of the tokens it accepted
+    hidden_layers: tuple = ()
+    # one forward drafts a whole block (DFlash): its cost is per pass, whatever γ
+    block_drafts: bool = False
+    # the most draft tokens one proposal can hold (a block drafter: its block size - 1); None: any
+    max_gamma: int | None = None
     # seconds of the last ``propose`` spent on one-off catch-up (a lazy prompt prefill): gamma="auto"
     # leaves them out of the drafter's per-token cost
     catchup_seconds: float = 0.0
@@ -84,6 +95,11 @@ class Drafter(ABC):
     @abstractmethod
     def select(self, rows: list[int]) -> None:
         """Only these rows go on (the others finished)."""
+
+    def observe_hidden(self, hidden: list[torch.Tensor]) -> None:
+        """hidden[b]: the target's hidden states [m, len(hidden_layers), H] of the m tokens row b's
+        last pass put in the target's cache (the pass's first token and the accepted drafts), in
+        order. Called before ``update`` and only for drafters with ``hidden_layers``."""
 
     def describe(self) -> str:
         return self.name

@@ -18,11 +18,12 @@ class GraphedForward:
         self.graphs: dict[tuple, tuple] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
-    def _capture(self, key, inputs, keys, values, last_only):
+    def _capture(self, key, inputs, keys, values, last_only, taps):
         static = [t.clone() for t in inputs]  # tokens, positions, write_at (, tree visibility)
 
         def run():
-            return self.forward(*static[:3], keys, values, last_only, tree=static[3] if len(static) > 3 else None)
+            return self.forward(*static[:3], keys, values, last_only, tree=static[3] if len(static) > 3 else None,
+                                taps=taps)
 
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -37,14 +38,14 @@ class GraphedForward:
         self.graphs[key] = (graph, static, out)
         return self.graphs[key]
 
-    def __call__(self, tokens, positions, write_at, keys, values, last_only=False, tree=None):
+    def __call__(self, tokens, positions, write_at, keys, values, last_only=False, tree=None, taps=()):
         if tokens.shape[1] > self.max_width:
-            return self.forward(tokens, positions, write_at, keys, values, last_only, tree=tree)
+            return self.forward(tokens, positions, write_at, keys, values, last_only, tree=tree, taps=taps)
         inputs = [tokens, positions, write_at] + ([tree] if tree is not None else [])
-        key = (tuple(t.data_ptr() for t in keys + values), tuple(tokens.shape), last_only, tree is not None)
+        key = (tuple(t.data_ptr() for t in keys + values), tuple(tokens.shape), last_only, tree is not None, taps)
         entry = self.graphs.get(key)
         if entry is None:
-            entry = self._capture(key, inputs, keys, values, last_only)
+            entry = self._capture(key, inputs, keys, values, last_only, taps)
         graph, static, out = entry
         for buffer, value in zip(static, inputs):
             buffer.copy_(value)

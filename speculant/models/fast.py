@@ -209,12 +209,16 @@ class FastLlama:
         values = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self.n_layers)]
         return keys, values
 
-    def forward(self, tokens, positions, write_at, keys, values, last_only: bool = False, layers=None, tree=None):
+    def forward(self, tokens, positions, write_at, keys, values, last_only: bool = False, layers=None, tree=None,
+                taps: tuple = ()):
         """tokens/positions/write_at: [B, w]. Writes K/V of the block at ``write_at`` and attends,
         for each query, to the slots at or before its position. Returns logits [B, w or 1, V].
         ``layers``: run only these decoder layers (self-speculation); None = all.
         ``tree``: [B, w, w] bool, a token tree's block (written at consecutive slots from write_at[:, 0]):
-        query t sees the slots before the block and the block slots s with tree[b, t, s]."""
+        query t sees the slots before the block and the block slots s with tree[b, t, s].
+        ``taps``: layer ids whose hidden states come back too, as (logits, hidden [B, w, len(taps), H]):
+        id L < n_layers is the input of decoder layer L, id n_layers the final normed hidden state
+        (Hugging Face's ``output_hidden_states[L]``)."""
         B, w = tokens.shape
         S = keys[0].shape[2]
         plain = False  # no mask: SDPA's causal prefill or one-token step, the very call HF makes
@@ -240,21 +244,27 @@ class FastLlama:
         causal = mask is None and w > 1  # a prefill from position 0
         mm = self.step_set if B * w == 1 else self.prefill_set if causal else self.block_set
         with _onednn_disabled() if mm.onednn_off else contextlib.nullcontext():
-            return self._body(tokens, positions, idx, keys, values, mask, last_only, causal, mm, layers)
+            return self._body(tokens, positions, idx, keys, values, mask, last_only, causal, mm, layers, taps)
 
     def _body(self, tokens, positions, idx, keys, values, mask, last_only: bool, causal: bool, mm: _MatmulSet,
-              layers=None):
+              layers=None, taps: tuple = ()):
         h = self.embed(tokens)
         freqs = positions[..., None].float() * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.rope_scale).to(h.dtype)[:, :, None]
         sin = (emb.sin() * self.rope_scale).to(h.dtype)[:, :, None]
+        tapped = {}
         for i in range(self.n_layers) if layers is None else layers:
+            if i in taps:
+                tapped[i] = h
             h = mm.layer_fn(h, cos, sin, mask, idx, keys[i], values[i], mm.layers[i], self.n_heads, self.n_kv,
                             self.head_dim, self.eps, self.scaling, causal, self.gqa)
-        if last_only:
-            h = h[:, -1:]
-        return mm.head(_rms_norm(h, self.norm.weight, self.eps))
+        h = _rms_norm(h, self.norm.weight, self.eps)
+        logits = mm.head(h[:, -1:] if last_only else h)
+        if not taps:
+            return logits
+        tapped[self.n_layers] = h
+        return logits, torch.stack([tapped[i] for i in taps], 2)
 
 
 def _matmul_bytes(layers: list[dict], head) -> int:
@@ -281,10 +291,11 @@ class StaticKVState:
 
     @torch.no_grad()
     def append(self, tokens: torch.Tensor, valid: torch.Tensor | None = None, last_only: bool = False,
-               layers: list[int] | None = None, tree: tuple | None = None):
+               layers: list[int] | None = None, tree: tuple | None = None, taps: tuple = ()):
         """Run the block after each row's pointer and advance it. ``layers``: only these decoder
         layers run and write their K/V (a self-speculative draft step; eager, never graphed).
-        ``tree``: (position offsets [B, w], visibility [B, w, w]) of a token-tree block (tree.py)."""
+        ``tree``: (position offsets [B, w], visibility [B, w, w]) of a token-tree block (tree.py).
+        ``taps``: also return these layers' hidden states (FastLlama.forward)."""
         B, w = tokens.shape
         if tree is not None:
             offsets, vis = tree
@@ -292,7 +303,7 @@ class StaticKVState:
             if int(write_at.max()) >= self.size:
                 raise RuntimeError("static KV cache is full")  # sized by the engine; a bug if reached
             logits = self.step(tokens, self.ptr[:, None] + offsets, write_at, self.keys, self.values, last_only,
-                               tree=vis)
+                               tree=vis, taps=taps)
             self.ptr = self.ptr + w
             return logits
         if valid is None:
@@ -308,7 +319,7 @@ class StaticKVState:
         if int(positions.max()) >= self.size:
             raise RuntimeError("static KV cache is full")  # sized by the engine; a bug if reached
         if layers is None:
-            logits = self.step(tokens, positions, positions, self.keys, self.values, last_only)
+            logits = self.step(tokens, positions, positions, self.keys, self.values, last_only, taps=taps)
         else:
             logits = self.fast.forward(tokens, positions, positions, self.keys, self.values, last_only, layers)
         self.ptr = self.ptr + n_real

