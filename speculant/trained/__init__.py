@@ -1,0 +1,1 @@
+"""Trained drafters: networks (DFlash), the speculators folder format, training data and the trainer."""
