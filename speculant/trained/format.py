@@ -119,14 +119,17 @@ def dflash_config(target: torch.nn.Module, target_name: str, layers: int, taps: 
     attention, as speculators builds them), the target's rope, tapped layer ids, block size."""
     c = target.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    rope = getattr(c, "rope_parameters", None) or {"rope_theta": getattr(c, "rope_theta", 10000.0), "rope_type": "default"}
+    rope = getattr(c, "rope_parameters", None) or {}
+    if "rope_theta" not in rope:  # per layer type (Gemma 3): the global layers' base
+        rope = rope.get("full_attention") or next(iter(rope.values()), {})
+    theta = rope.get("rope_theta") or getattr(c, "rope_theta", None) or 10000.0
     layer_cfg = {
         "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": c.hidden_size,
         "intermediate_size": c.intermediate_size, "num_hidden_layers": layers,
         "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
         "head_dim": head_dim, "hidden_act": "silu", "rms_norm_eps": c.rms_norm_eps,
         "max_position_embeddings": c.max_position_embeddings, "vocab_size": int(target.get_output_embeddings().weight.shape[0]),
-        "rope_parameters": {"rope_theta": float(rope.get("rope_theta", 10000.0)), "rope_type": "default"},
+        "rope_parameters": {"rope_theta": float(theta), "rope_type": "default"},
         "attention_bias": False, "tie_word_embeddings": False, "layer_types": ["full_attention"] * layers,
     }
     vocab = layer_cfg["vocab_size"]

@@ -185,7 +185,7 @@ def build_features(s: TrainSettings, target, taps, work: Path, progress: Progres
             if prompt is None:
                 continue
             batch.append(prompt)
-            if len(batch) == 8:  # the target answers 8 prompts at a time
+            if len(batch) == 16:  # the target answers 16 prompts at a time
                 flush(self_distilled_features(target, batch, taps, s.answer_tokens))
                 batch = []
         else:
