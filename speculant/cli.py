@@ -136,6 +136,16 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-progress", action="store_true")
     t.set_defaults(func=cmd_train)
 
+    e = sub.add_parser("export", help="print (and write) the vLLM --speculative-config for a target and drafter",
+                       description="For serving at scale: the vLLM speculative config matching a speculant drafter "
+                                   "(ngram, suffix, dflash:DIR, model:FOLDER), and the vllm serve command.")
+    e.add_argument("--format", default="vllm", choices=["vllm"])
+    e.add_argument("--target", default="default")
+    e.add_argument("--drafter", required=True)
+    e.add_argument("--gamma", type=_gamma_arg, default=None, help="draft tokens per pass (default: the drafter's)")
+    e.add_argument("--out", default="speculative-config.json", help="where to write the JSON")
+    e.set_defaults(func=cmd_export)
+
     from .drafters.layerskip_tune import add_tune_layerskip_parser
 
     add_tune_layerskip_parser(sub)
@@ -229,6 +239,18 @@ def cmd_generate(args) -> int:
     sys.stdout.write("\n")
     sys.stdout.flush()
     print(_stats_line(gen.last.stats), file=sys.stderr)
+    return 0
+
+
+def cmd_export(args) -> int:
+    from .drafters import validate_drafter_spec
+    from .export import export_vllm
+
+    validate_drafter_spec(args.drafter)
+    cfg, command = export_vllm(args.target, args.drafter, args.gamma, args.out)
+    print(json.dumps(cfg))
+    print(command)
+    print(f"speculant: wrote {args.out}", file=sys.stderr)
     return 0
 
 
