@@ -60,6 +60,11 @@ def _stop_checker(tokenizer, stop: Sequence[str] | None) -> Callable | None:
     return check
 
 
+def _per_row(stop) -> bool:
+    """Stop strings given per row (a list of lists) rather than one list for every row."""
+    return isinstance(stop, list) and any(isinstance(x, (list, tuple)) or x is None for x in stop)
+
+
 def _cut_at_stop(text: str, stop: Sequence[str] | None) -> str:
     if not stop:
         return text
@@ -95,14 +100,19 @@ class Generator:
             ids = tok(prompt, add_special_tokens=True)["input_ids"]
         return list(ids)
 
-    def _request(self, prompt_ids, max_new_tokens, gamma, seed, stop, sampling) -> Request:
+    def _request(self, prompt_ids, max_new_tokens, gamma, seed, stop, sampling, cancelled=None,
+                 speculate: bool = True) -> Request:
+        """A checked engine Request. ``max_new_tokens`` and ``stop`` may be lists, one per prompt."""
         logprobs = check_logprobs(sampling.pop("logprobs", None))
         params = SamplingParams(**sampling)
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise SpeculantError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        for m in max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens]:
+            if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+                raise SpeculantError(f"max_new_tokens must be an integer >= 1, got {m!r}")
         limit = self.target.context_length
         if not prompt_ids:
             raise SpeculantError("no prompts given: give at least one prompt (a list of token ids)")
+        if isinstance(max_new_tokens, list) and len(max_new_tokens) != len(prompt_ids):
+            raise SpeculantError(f"{len(max_new_tokens)} max_new_tokens for {len(prompt_ids)} prompts: give one per prompt")
         vocab = self.target.vocab_size
         for ids in prompt_ids:
             if not ids:
@@ -115,22 +125,33 @@ class Generator:
                     f"the prompt is {len(ids)} tokens but the model's context is {limit} tokens: shorten the prompt"
                 )
         g = self.gamma if gamma is None else check_gamma(gamma)
-        if self.drafter.name == "none":
+        if self.drafter.name == "none" or not speculate:
             g = 0
-        return Request(prompt_ids, params, max_new_tokens, g, seed, _stop_checker(self.tokenizer, stop), logprobs)
+        checks = [_stop_checker(self.tokenizer, x) for x in stop] if _per_row(stop) else _stop_checker(self.tokenizer, stop)
+        return Request(prompt_ids, params, max_new_tokens, g, seed, checks, logprobs, cancelled=cancelled)
 
     def stream_ids(self, prompt_ids: list[list[int]], max_new_tokens=128, gamma=None, seed=None, stop=None, **sampling):
         """Yields (row, new token ids) as accepted; the generator's return value is the list of Rows."""
         req = self._request(prompt_ids, max_new_tokens, gamma, seed, stop, sampling)
         return self.engine.run(req)
 
+    def stream_batch(self, prompt_ids: list[list[int]], max_new_tokens: list[int], stops: list, gamma=None,
+                     seed=None, cancelled=None, speculate: bool = True, **sampling):
+        """Like stream_ids, with a token budget and stop strings per prompt (lists) and
+        ``cancelled(row) -> bool`` to end a row early: rows of one batch that differ only in those.
+        ``speculate=False``: plain decoding through the same engine (for comparison)."""
+        req = self._request(prompt_ids, list(max_new_tokens), gamma, seed, [list(x or []) for x in stops], sampling,
+                            cancelled, speculate)
+        return self.engine.run(req)
+
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
-    def _outputs(self, rows: list[Row], stop) -> list[Output]:
+    def outputs(self, rows: list[Row], stop) -> list[Output]:
+        """Outputs of finished rows; ``stop``: the stop strings (of all rows, or a list per row)."""
         outs = []
-        for r in rows:
-            text = _cut_at_stop(self.decode(r.tokens), stop)
+        for i, r in enumerate(rows):
+            text = _cut_at_stop(self.decode(r.tokens), stop[i] if _per_row(stop) else stop)
             outs.append(Output(text, r.tokens, r.prompt, r.finish_reason, r.stats.to_dict(), r.logprobs))
         return outs
 
@@ -140,7 +161,7 @@ class Generator:
             try:
                 next(it)
             except StopIteration as done:
-                return self._outputs(done.value, stop)
+                return self.outputs(done.value, stop)
 
     def generate(
         self,
@@ -163,27 +184,55 @@ class Generator:
         return outs[0] if single else outs
 
     def stream(self, prompt: str, max_new_tokens=128, temperature=0.0, gamma=None, seed=None, stop=None,
-               chat_template=True, **sampling) -> Iterator[str]:
-        """Yields text pieces as tokens are accepted (one prompt). ``.last`` holds the final Output."""
+               chat_template=True, origins: bool = False, **sampling) -> Iterator[str]:
+        """Yields text pieces as tokens are accepted (one prompt). ``.last`` holds the final Output.
+        ``origins=True``: yields (text, drafted) per token instead, drafted = a draft token the target
+        accepted (False: the target's own token)."""
         ids = self.encode(prompt, chat_template)
         it = self.stream_ids([ids], max_new_tokens, gamma, seed, stop, temperature=temperature, **sampling)
-        tokens, shown = [], ""
+        text = TextStream(self.decode, stop)
         while True:
             try:
                 _, new = next(it)
             except StopIteration as done:
-                self.last = self._outputs(done.value, stop)[0]
-                rest = self.last.text[len(shown):] if self.last.text.startswith(shown) else ""
+                self.last = self.outputs(done.value, stop)[0]
+                rest = text.finish(self.last.text)
                 if rest:
-                    yield rest
+                    yield (rest, False) if origins else rest
                 return
-            tokens.extend(new)
-            text = _cut_at_stop(self.decode(tokens), stop)
-            if text.endswith("\ufffd"):  # half a multi-byte character: wait for the rest
-                continue
-            if text.startswith(shown) and len(text) > len(shown):
-                yield text[len(shown):]
-                shown = text
+            if origins:
+                for k, t in enumerate(new):
+                    piece = text.add([t])
+                    if piece:
+                        yield piece, k < new.from_draft
+            else:
+                piece = text.add(new)
+                if piece:
+                    yield piece
+
+
+class TextStream:
+    """Text pieces of one row as its tokens arrive: cut at the first stop string, holding back half
+    a multi-byte character until the rest of it comes."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] | None):
+        self.decode, self.stop = decode, stop
+        self.tokens: list[int] = []
+        self.shown = ""
+
+    def add(self, new_tokens: list[int]) -> str:
+        self.tokens.extend(new_tokens)
+        text = _cut_at_stop(self.decode(self.tokens), self.stop)
+        if text.endswith("\ufffd") or not (text.startswith(self.shown) and len(text) > len(self.shown)):
+            return ""
+        piece, self.shown = text[len(self.shown):], text
+        return piece
+
+    def finish(self, final_text: str) -> str:
+        """What is left to show of the row's final text."""
+        rest = final_text[len(self.shown):] if final_text.startswith(self.shown) else ""
+        self.shown = final_text
+        return rest
 
 
 def load(target: str = "default", drafter: str | Drafter | None = None, gamma: int | str | None = None,

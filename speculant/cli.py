@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "on CPU in bf16 the text may differ from HF's at near-ties)")
     g.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.add_argument("--show-acceptance", action="store_true",
+                   help="colour each token by how it came: green = a draft token the target accepted, "
+                        "yellow = the target's own (a correction or the bonus token)")
     g.add_argument("--json-schema", default=None, metavar="FILE",
                    help="constrain the output to JSON matching this schema file ('{}': any JSON object); "
                         "needs lm-format-enforcer")
@@ -145,6 +148,26 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--gamma", type=_gamma_arg, default=None, help="draft tokens per pass (default: the drafter's)")
     e.add_argument("--out", default="speculative-config.json", help="where to write the JSON")
     e.set_defaults(func=cmd_export)
+
+    v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, streaming, metrics)",
+                       description="Serve TARGET with DRAFTER over HTTP: /v1/completions, /v1/chat/completions "
+                                   "(streaming or not), /v1/models, /health, /metrics and a playground page at /. "
+                                   "Needs the serve extra: pip install \"speculant[serve]\".")
+    v.add_argument("--target", default="default", help="'default', a model folder, or a .gguf file")
+    v.add_argument("--drafter", default=None, help=f"{DRAFTER_HELP}; default: ngram")
+    v.add_argument("--gamma", type=_gamma_arg, default=None, help="draft tokens per pass, or 'auto' (default)")
+    v.add_argument("--model-name", default=None, help="the model id clients send (default: the --target value)")
+    v.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ endpoints")
+    v.add_argument("--max-batch-size", type=int, default=32, help="rows decoded together")
+    v.add_argument("--max-queue", type=int, default=256, help="choices waiting before new requests get 429")
+    v.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is ended (408)")
+    v.add_argument("--device", default=None)
+    v.add_argument("--dtype", default="auto")
+    v.add_argument("--path", default="auto", choices=["auto", "fast", "general"])
+    v.add_argument("--compile", action="store_true")
+    v.set_defaults(func=cmd_serve)
 
     from .drafters.layerskip_tune import add_tune_layerskip_parser
 
@@ -228,9 +251,12 @@ def cmd_generate(args) -> int:
         return 0
 
     try:
-        for piece in gen.stream(args.prompt, **kwargs):
-            sys.stdout.write(piece)
-            sys.stdout.flush()
+        if args.show_acceptance:
+            _print_with_origins(gen.stream(args.prompt, origins=True, **kwargs))
+        else:
+            for piece in gen.stream(args.prompt, **kwargs):
+                sys.stdout.write(piece)
+                sys.stdout.flush()
     except KeyboardInterrupt:
         sys.stdout.write("\n")
         sys.stdout.flush()
@@ -239,6 +265,47 @@ def cmd_generate(args) -> int:
     sys.stdout.write("\n")
     sys.stdout.flush()
     print(_stats_line(gen.last.stats), file=sys.stderr)
+    return 0
+
+
+def _print_with_origins(pieces) -> None:
+    """Stream (text, drafted) pairs in colour (rich): drafted tokens green, the target's own yellow."""
+    from rich.console import Console
+    from rich.text import Text
+
+    out = Console(highlight=False, soft_wrap=True)
+    for piece, drafted in pieces:
+        out.print(Text(piece, style="black on green" if drafted else "black on yellow"), end="")
+    Console(stderr=True, highlight=False).print(
+        Text("draft token accepted", style="black on green") + Text(" ") + Text("target's own token", style="black on yellow"))
+
+
+def cmd_serve(args) -> int:
+    try:
+        import uvicorn
+
+        from .server.app import create_app
+    except ImportError as e:
+        raise SpeculantError(f"speculant serve needs the serve extra ({e.name} is missing): "
+                             'pip install "speculant[serve]"') from None
+    from .api import check_gamma, load
+    from .drafters import validate_drafter_spec
+
+    if not 0 < args.port < 65536:
+        raise SpeculantError(f"--port must be in 1..65535, got {args.port}")
+    if args.max_batch_size < 1 or args.max_queue < 1 or args.request_timeout <= 0:
+        raise SpeculantError("--max-batch-size, --max-queue and --request-timeout must be positive")
+    if args.gamma is not None:
+        check_gamma(args.gamma)
+    validate_drafter_spec(args.drafter or "ngram")
+    gen = load(args.target, drafter=args.drafter, gamma=args.gamma, device=args.device, dtype=args.dtype,
+               path=args.path, compile=args.compile)
+    app = create_app(gen, args.model_name or args.target, args.api_key, args.max_batch_size, args.max_queue,
+                     args.request_timeout)
+    print(f"speculant: serving '{args.model_name or args.target}' with drafter {gen.drafter.describe()} on "
+          f"http://{args.host}:{args.port} (playground at /)", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
+                timeout_keep_alive=30)  # longer than clients keep idle connections (httpx: 5 s)
     return 0
 
 

@@ -33,6 +33,7 @@ class Stats:
     gamma_sum: int = 0  # draft length this row was allowed, summed over passes (for the mean γ)
     new_tokens: int = 0
     target_passes: int = 0  # including the prefill pass, which yields the first token
+    speculative_passes: int = 0  # passes that verified draft tokens (the others were plain decoding)
     drafted: int = 0  # draft tokens proposed
     accepted: int = 0  # draft tokens accepted
     drafted_at: list[int] = field(default_factory=list)  # per draft position
@@ -62,6 +63,7 @@ class Stats:
         """One target pass: ``drafted`` judged positions (a tree: its depth), ``accepted`` of them,
         ``nodes`` the tree's size (0 for a chain)."""
         self.target_passes += 1
+        self.speculative_passes += drafted > 0
         self.gamma_sum += gamma
         if nodes:
             self.tree_passes += 1
@@ -81,6 +83,7 @@ class Stats:
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_accepted_tokens": round(self.mean_accepted_tokens, 4),
             "target_forward_passes": self.target_passes,
+            "speculative_passes": self.speculative_passes,
             "tokens_per_second": round(self.tokens_per_second, 2),
             "drafter": self.drafter,
             "gamma": self.gamma,
@@ -114,14 +117,33 @@ class Row:
 
 @dataclass
 class Request:
+    """One batch to generate. ``max_new_tokens`` and ``stop_check`` may be given per row (lists), so
+    requests that differ only in those share a batch (the server does)."""
+
     prompts: list[list[int]]
     params: SamplingParams
-    max_new_tokens: int
+    max_new_tokens: int | list[int]
     gamma: int | str  # "auto": chosen each pass by a GammaController
     seed: int | None = None
-    stop_check: object = None  # callable(row_tokens) -> index to cut at, or None
+    stop_check: object = None  # callable(row_tokens) -> index to cut at, or None; or one per row
     logprobs: int | None = None  # top-N alternatives per token (0 = the chosen token's only)
     gamma_max: int | None = None  # the most "auto" may draft per pass (None: by drafter, see Engine._gamma_max)
+    cancelled: object = None  # callable(row) -> True to end that row now (finish_reason "abort")
+
+    def limit(self, row: int) -> int:
+        return self.max_new_tokens[row] if isinstance(self.max_new_tokens, list) else self.max_new_tokens
+
+    def stop_for(self, row: int):
+        return self.stop_check[row] if isinstance(self.stop_check, list) else self.stop_check
+
+
+class Emitted(list):
+    """A row's tokens from one pass; ``from_draft``: how many of the first ones were draft tokens
+    the target accepted (the rest are the target's own: a correction or the bonus token)."""
+
+    def __init__(self, tokens, from_draft: int):
+        super().__init__(tokens)
+        self.from_draft = from_draft
 
 
 def _sync(device: torch.device) -> None:
@@ -140,9 +162,22 @@ class Engine:
         self.device = next(target.parameters()).device
         self.vocab_size = int(target.get_output_embeddings().weight.shape[0])
         self.costs = CostModel()  # what passes cost here, learnt by gamma="auto" across requests
+        self.busy = False
 
     def run(self, req: Request) -> Iterator[tuple[int, list[int]]]:
-        """Generate; yields (row, new tokens) as tokens are accepted; returns the list of Rows."""
+        """Generate; yields (row, new tokens) as tokens are accepted; returns the list of Rows.
+        One run at a time: the drafter's state and the KV caches belong to the running batch."""
+        if self.busy:
+            raise SpeculantError("this generator is already generating (another stream of it is still open): "
+                                 "finish or close() that stream first, batch the prompts in one call, or use "
+                                 "speculant serve for concurrent requests")
+        self.busy = True
+        try:
+            return (yield from self._run(req))
+        finally:
+            self.busy = False
+
+    def _run(self, req: Request) -> Iterator[tuple[int, list[int]]]:
         dev, params = self.device, req.params
         proc = LogitsProcessing(params, self.vocab_size)
         generator = torch.Generator(device=dev)
@@ -156,7 +191,7 @@ class Engine:
 
         # Prefill: the target's first token comes from the prompt alone.
         longest = max(len(p) for p in req.prompts)
-        max_tokens = min(longest + req.max_new_tokens, self.context_length) + 2 * most + 2
+        max_tokens = min(longest + max(req.limit(r) for r in range(len(rows))), self.context_length) + 2 * most + 2
         state = self.backend.new_state(len(rows), max_tokens)
         self.state, self.slots = state, active  # for inspection (tests of the rollback invariant)
         tokens, valid = left_pad(req.prompts, dev)
@@ -199,7 +234,7 @@ class Engine:
                 self.drafter.observe_hidden(fed)
             self.drafter.update(new, n_acc)
             # drafts never run past max_new_tokens or the context
-            room = min(min(req.max_new_tokens - len(rows[r].tokens) for r in active),
+            room = min(min(req.limit(r) - len(rows[r].tokens) for r in active),
                        self.context_length - int(state.lengths().max()) - 1)
             td = time.perf_counter()
             prop, caps = self._draft(auto, req, room - 1, len(active))
@@ -316,31 +351,34 @@ class Engine:
         return Proposal(z, torch.zeros(batch, dtype=torch.long, device=self.device))
 
     def _emit(self, rows: list[Row], active: list[int], new: list[list[int]], logprobs, req: Request):
-        """Append each active row's new tokens, ending rows at EOS / stop / max_new_tokens."""
+        """Append each active row's new tokens, ending rows at EOS / stop / max_new_tokens / cancel."""
         still, keep_slots = [], []
         for slot, r in enumerate(active):
             row, added = rows[r], []
+            if req.cancelled is not None and req.cancelled(r):
+                row.finish_reason, new[slot] = "abort", []
             for tok in new[slot]:
                 added.append(tok)
                 if tok in self.eos:
                     row.finish_reason = "eos"
                     break
-                if len(row.tokens) + len(added) >= req.max_new_tokens:
+                if len(row.tokens) + len(added) >= req.limit(r):
                     row.finish_reason = "length"
                     break
                 if len(row.prompt) + len(row.tokens) + len(added) >= self.context_length:
                     row.finish_reason = "context"
                     break
-            if req.stop_check is not None and not row.finish_reason:
-                cut = req.stop_check(row.tokens + added)
+            stop = req.stop_for(r)
+            if stop is not None and not row.finish_reason:
+                cut = stop(row.tokens + added)
                 if cut is not None:
                     added = added[: max(0, cut - len(row.tokens))]
                     row.finish_reason = "stop"
             row.tokens.extend(added)
             if logprobs is not None:
                 row.logprobs.extend(logprobs[slot][: len(added)])
-            if added:
-                yield r, added
+            if added:  # all but a pass's last token were drafts (the prefill's one token is the target's)
+                yield r, Emitted(added, min(len(added), len(new[slot]) - 1))
             if row.finish_reason:
                 row.finished = True
             else:

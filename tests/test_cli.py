@@ -182,3 +182,17 @@ def test_api_batch_and_stop_strings(folders):
     first_word = outs[0].text.split()[1]
     cut = gen.generate(PROMPT, max_new_tokens=12, stop=[first_word])
     assert cut.finish_reason == "stop" and first_word not in cut.text
+
+
+def test_show_acceptance_marks_drafted_tokens_and_keeps_the_text(folders, capsys):
+    gen = speculant.load(folders["target"], drafter="ngram", device="cpu", dtype="float32")
+    pieces = list(gen.stream(PROMPT, max_new_tokens=30, chat_template=False, origins=True))
+    plain = gen.generate(PROMPT, max_new_tokens=30, chat_template=False)
+    assert "".join(p for p, _ in pieces) == plain.text
+    drafted = sum(d for _, d in pieces)
+    assert drafted == gen.last.stats["accepted_draft_tokens"] > 0  # this repetitive prompt gets drafts accepted
+    assert not pieces[0][1]  # the first token comes from the prefill: the target's own
+    code, out, err = run_cli(["generate", PROMPT, "--target", folders["target"], "--max-new-tokens", "30",
+                              "--no-chat-template", "--dtype", "float32", "--show-acceptance"], capsys)
+    assert code == 0, err
+    assert out.strip() == plain.text.strip() and "draft token accepted" in err

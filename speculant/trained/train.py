@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import SpeculantError
-from .data import (Features, encode_conversation, encode_prompt, jsonl_records, self_distilled_features,
+from .data import (Example, Features, encode_conversation, encode_prompt, jsonl_records, self_distilled_features,
                    sharegpt_conversations, text_features)
 from .dflash import DFlashNet
 from .format import dflash_config, save_folder
@@ -154,44 +154,61 @@ def build_features(s: TrainSettings, target, taps, work: Path, progress: Progres
     if manifest.is_file() and json.loads(manifest.read_text()).get("key") == key:
         return [work / name for name in json.loads(manifest.read_text())["shards"]]
     work.mkdir(parents=True, exist_ok=True)
+    # An interrupted run leaves whole shards and a partial manifest: keep them, skip what they hold
+    # (one Features per usable sequence, in the order the data is read).
+    partial = work / "features.partial.json"
+    shards, tokens, done_items = [], 0, 0
+    if partial.is_file() and json.loads(partial.read_text()).get("key") == key:
+        kept = json.loads(partial.read_text())
+        shards, tokens, done_items = [work / n for n in kept["shards"]], kept["tokens"], kept["items"]
     tok = target.tokenizer
     records = ({"messages": c} for c in sharegpt_conversations(s.conversations)) if s.data == "sharegpt" \
         else jsonl_records(s.data)
     progress.stage("features (target tokens)", s.max_tokens)
-    shards, shard, tokens, batch = [], [], 0, []
+    if tokens:
+        progress.advance("features (target tokens)", 0, "resumed", done=tokens)
+    shard, batch, skip = [], [], done_items
     prompt_limit = max(16, s.seq_len - s.answer_tokens)
 
     def flush(items):
-        nonlocal tokens, shard
+        nonlocal tokens, shard, done_items
         for f in items:
             shard.append(f)
             tokens += len(f.ids)
+            done_items += 1
             progress.advance("features (target tokens)", len(f.ids), done=tokens)
         if len(shard) >= 64:
             shards.append(_save_shard(work, len(shards), shard))
             shard = []
+            partial.write_text(json.dumps({"key": key, "shards": [p.name for p in shards], "tokens": tokens,
+                                           "items": done_items}))
+
+    def usable(rec) -> list[int] | Example | None:
+        """The prompt (self-distilled) or the example this record gives, None if it gives none."""
+        if "text" in rec:
+            ids = tok(rec["text"])["input_ids"][: s.seq_len] if tok is not None else None
+            return _example(ids, 0) if ids and len(ids) > 8 else None
+        msgs = [m for m in rec["messages"] if isinstance(m.get("content"), str)]
+        if s.self_distill:
+            return encode_prompt(tok, msgs[0]["content"], prompt_limit) if msgs else None
+        return encode_conversation(tok, msgs, s.seq_len)
 
     for rec in records:
         if tokens >= s.max_tokens:
             break
-        if "text" in rec:
-            ids = tok(rec["text"])["input_ids"][: s.seq_len] if tok is not None else None
-            if ids and len(ids) > 8:
-                flush(text_features(target, [_example(ids, 0)], taps))
+        item = usable(rec)
+        if item is None:
             continue
-        msgs = [m for m in rec["messages"] if isinstance(m.get("content"), str)]
-        if s.self_distill:
-            prompt = encode_prompt(tok, msgs[0]["content"], prompt_limit)
-            if prompt is None:
-                continue
-            batch.append(prompt)
-            if len(batch) == 16:  # the target answers 16 prompts at a time
-                flush(self_distilled_features(target, batch, taps, s.answer_tokens))
-                batch = []
-        else:
-            ex = encode_conversation(tok, msgs, s.seq_len)
-            if ex is not None:
-                flush(text_features(target, [ex], taps))
+        if skip:  # already in a kept shard
+            skip -= 1
+            continue
+        if isinstance(item, Example):
+            flush(text_features(target, [item], taps))
+            continue
+        batch.append(item)
+        if len(batch) == 16:  # the target answers 16 prompts at a time
+            flush(self_distilled_features(target, batch, taps, s.answer_tokens))
+            batch = []
     if batch and tokens < s.max_tokens:
         flush(self_distilled_features(target, batch, taps, s.answer_tokens))
     if shard:
@@ -199,12 +216,11 @@ def build_features(s: TrainSettings, target, taps, work: Path, progress: Progres
     if not shards:
         raise SpeculantError(f"no usable training sequences in {s.data!r} (all empty or longer than --seq-len)")
     manifest.write_text(json.dumps({"key": key, "shards": [p.name for p in shards], "tokens": tokens}))
+    partial.unlink(missing_ok=True)
     return shards
 
 
 def _example(ids, loss_from):
-    from .data import Example
-
     return Example(list(ids), loss_from)
 
 
