@@ -28,6 +28,9 @@ def vllm_config(drafter: str, gamma: int | str | None = None) -> dict:
         depth = 24 if drafter == "suffix:arctic" else d.max_depth
         return {"method": "suffix", "num_speculative_tokens": fixed or 32, "suffix_decoding_max_tree_depth": depth,
                 "suffix_decoding_max_spec_factor": d.spec_factor, "suffix_decoding_min_token_prob": d.min_prob}
+    if drafter.startswith(("medusa:", "trained:")) and _kind(drafter) == "medusa":
+        raise SpeculantError("vLLM's Medusa format gives every head its own LM head and has no draft vocabulary; "
+                             "speculant's medusa folders share one: export ngram, suffix or dflash:DIR instead")
     if drafter.startswith(("dflash:", "trained:")) or drafter == "dflash":
         from .trained.format import read_config, shipped_drafters
 
@@ -48,6 +51,12 @@ def vllm_config(drafter: str, gamma: int | str | None = None) -> dict:
     if drafter == "none":
         raise SpeculantError("drafter none speculates nothing: there is no speculative config to export")
     raise SpeculantError(f"drafter {drafter!r} has no vLLM counterpart: export ngram, suffix, dflash:DIR or model:FOLDER")
+
+
+def _kind(drafter: str) -> str:
+    from .trained.format import read_config
+
+    return read_config(drafter.split(":", 1)[1])["speculators_model_type"]
 
 
 def export_vllm(target: str, drafter: str, gamma=None, out: str | None = None) -> tuple[dict, str]:

@@ -12,7 +12,7 @@ from .none import NoDrafter
 from .suffix import SuffixDrafter
 
 DRAFTER_HELP = (
-    "none | ngram | ngram:tree | suffix | suffix:arctic | dflash (the shipped one) | dflash:DIR | trained:DIR | model:PATH (PATH: a model folder, a .gguf file, or 'default'; another tokenizer works "
+    "none | ngram | ngram:tree | suffix | suffix:arctic | dflash (the shipped one) | dflash:DIR | medusa:DIR | trained:DIR | model:PATH (PATH: a model folder, a .gguf file, or 'default'; another tokenizer works "
     "through text) | layerskip[:FILE.json|:A-B:STEP] | cascade:A,B (A: ngram or model:PATH, B: model:PATH or layerskip)"
 )
 
@@ -63,7 +63,7 @@ def validate_drafter_spec(spec) -> None:
 
         resolve_model_path(spec[len("model:") :] or "")
         return
-    if spec.startswith(("dflash:", "trained:")):
+    if spec.startswith(("dflash:", "medusa:", "trained:")):
         from ..trained.format import read_config
 
         kind, folder = spec.split(":", 1)
@@ -90,6 +90,19 @@ def _load_draft(path: str, target, device, dtype):
     return load_model(path, device=target.device if device is None else device, dtype=dtype or target.model.dtype)
 
 
+def load_trained(folder: str, target) -> Drafter:
+    """A trained drafter folder, of the kind its config names."""
+    from ..trained.format import read_config
+
+    if read_config(folder)["speculators_model_type"] == "medusa":
+        from .medusa import load_medusa
+
+        return load_medusa(folder, target.model, target.name)
+    from .dflash import load_dflash
+
+    return load_dflash(folder, target.model, target.name)
+
+
 def make_drafter(spec, target, device=None, dtype=None) -> Drafter:
     """``spec`` -> a Drafter for ``target`` (a LoadedModel). ``spec`` may already be a Drafter."""
     if isinstance(spec, Drafter):
@@ -101,10 +114,8 @@ def make_drafter(spec, target, device=None, dtype=None) -> Drafter:
         return NgramDrafter()
     if spec == "ngram:tree":
         return NgramDrafter(tree=True)
-    if spec.startswith(("dflash:", "trained:")):
-        from .dflash import load_dflash
-
-        return load_dflash(spec.split(":", 1)[1], target.model, target.name)
+    if spec.startswith(("dflash:", "medusa:", "trained:")):
+        return load_trained(spec.split(":", 1)[1], target)
     if spec == "dflash":
         from ..trained.format import shipped_for
         from .dflash import load_dflash

@@ -124,6 +124,7 @@ class Features:
     loss_from: int
     hidden: torch.Tensor  # [T, len(taps), H] float16: the target's tapped hidden states
     labels: torch.Tensor  # [T] int64: the target's choice after position t (its greedy next token)
+    final: torch.Tensor | None = None  # [T, H] float16: the final normed hidden states (Medusa), when computed
 
 
 class _Recorder(Drafter):

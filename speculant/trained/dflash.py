@@ -152,11 +152,17 @@ class DFlashNet(nn.Module):
         return self.norm(h)
 
     def logits(self, hidden: torch.Tensor, target_head: nn.Module, vocab: int) -> torch.Tensor:
-        """Logits over the target's vocabulary [.., V]: the target's LM head, or the draft-vocabulary
-        head scattered into a -inf row (q is zero outside the draft vocabulary: still lossless)."""
-        if not self.draft_vocab:
-            return target_head(hidden.to(target_head.weight.dtype)).float()
-        small = self.lm_head(hidden).float()
-        out = small.new_full((*small.shape[:-1], vocab), float("-inf"))
-        ids = torch.arange(small.shape[-1], device=small.device) + self.d2t
-        return out.index_copy_(out.dim() - 1, ids, small)
+        return vocab_logits(hidden, self.lm_head if self.draft_vocab else None, self.d2t, target_head, vocab)
+
+
+def vocab_logits(hidden: torch.Tensor, lm_head: nn.Module | None, d2t: torch.Tensor | None, target_head: nn.Module,
+                 vocab: int) -> torch.Tensor:
+    """Logits over the target's vocabulary [.., V]: the target's LM head (``lm_head`` None), or a
+    draft-vocabulary head scattered into a -inf row (q is zero outside the draft vocabulary: still
+    lossless; draft index i is target id i + d2t[i])."""
+    if lm_head is None:
+        return target_head(hidden.to(target_head.weight.dtype)).float()
+    small = lm_head(hidden.to(lm_head.weight.dtype)).float()
+    out = small.new_full((*small.shape[:-1], vocab), float("-inf"))
+    ids = torch.arange(small.shape[-1], device=small.device) + d2t
+    return out.index_copy_(out.dim() - 1, ids, small)

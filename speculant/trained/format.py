@@ -15,7 +15,7 @@ import torch
 
 from ..errors import SpeculantError
 
-KINDS = ("dflash",)  # speculators_model_type values speculant runs
+KINDS = ("dflash", "medusa")  # speculators_model_type values speculant runs (medusa: speculant's own format)
 SPECULATORS_VERSION = "0.9.0"
 
 
@@ -39,7 +39,7 @@ def read_config(folder: str | Path) -> dict:
         raise SpeculantError(f"{path / 'config.json'} is not valid JSON ({e})") from None
     kind = cfg.get("speculators_model_type")
     if kind not in KINDS:
-        raise SpeculantError(f"'{folder}' holds a {kind or 'non-speculators'} model; speculant runs speculators "
+        raise SpeculantError(f"'{folder}' holds a {kind or 'non-speculators'} model; speculant runs trained "
                              f"drafters of type {', '.join(KINDS)}")
     if not (path / "model.safetensors").is_file():
         raise SpeculantError(f"'{folder}' has no model.safetensors")

@@ -31,9 +31,10 @@ from .data import (Example, Features, encode_conversation, encode_prompt, jsonl_
                    sharegpt_conversations, text_features)
 from .dflash import DFlashNet
 from .format import dflash_config, save_folder
+from .medusa import MedusaNet, medusa_config
 
 KINDS = ("dflash", "eagle", "medusa")
-BUILT = ("dflash",)
+BUILT = ("dflash", "medusa")
 
 
 @dataclass
@@ -49,8 +50,10 @@ class TrainSettings:
     self_distill: bool = True
     answer_tokens: int = 160  # self-distilled answer length
     seq_len: int = 512
-    layers: int = 1
+    layers: int = 1  # dflash: decoder layers; medusa: residual blocks per head
     block_size: int = 8
+    heads: int = 4  # medusa: tokens guessed beyond the next one
+    work: str | None = None  # the cache folder (features, checkpoints); default OUT.work
     draft_vocab: int = 8192
     taps: list[int] | None = None
     anchors: int = 48  # per sequence and step
@@ -72,7 +75,7 @@ def check_settings(s: TrainSettings) -> None:
         raise SpeculantError(f"unknown drafter kind {s.kind!r}: use one of {', '.join(KINDS)}")
     if s.kind not in BUILT:
         raise SpeculantError(f"--kind {s.kind} is not built yet in speculant (only {', '.join(BUILT)}): "
-                             f"train a dflash drafter")
+                             f"train a {' or '.join(BUILT)} drafter")
     if not s.out:
         raise SpeculantError("--out DIR is required: the folder the trained drafter is written to")
     out = Path(s.out)
@@ -82,7 +85,7 @@ def check_settings(s: TrainSettings) -> None:
         raise SpeculantError(f"output path '{out}' is a file, not a folder")
     if s.data != "sharegpt":
         next(jsonl_records(s.data))  # an empty or malformed file fails here
-    for name in ("max_tokens", "answer_tokens", "seq_len", "layers", "anchors", "batch", "eval_sequences"):
+    for name in ("max_tokens", "answer_tokens", "seq_len", "layers", "anchors", "batch", "eval_sequences", "heads"):
         if getattr(s, name) < 1:
             raise SpeculantError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(s, name)}")
     if s.block_size < 2:
@@ -258,11 +261,7 @@ class DFlashTrainer:
         self.anchors, self.decay = anchors, decay
         K = net.block_size
         self.weights = torch.exp(-torch.arange(K - 1, dtype=torch.float32) / decay)
-        self.to_draft = None
-        if net.draft_vocab:  # target id -> draft index (-100: not in the draft vocabulary, ignored)
-            self.to_draft = torch.full((vocab,), -100, dtype=torch.long)
-            ids = torch.arange(net.d2t.shape[0]) + net.d2t.cpu()
-            self.to_draft[ids] = torch.arange(net.d2t.shape[0])
+        self.to_draft = _to_draft(net.d2t, vocab) if net.draft_vocab else None
 
     def _blocks(self, f: Features, anchors: int, rng: random.Random):
         K, T = self.net.block_size, len(f.ids)
@@ -327,6 +326,96 @@ class DFlashTrainer:
                 "blocks": len(runs)}
 
 
+class MedusaTrainer:
+    """The loss and the held-out evaluation of Medusa heads on cached features: head j at position
+    t learns the target's token t+2+j (labels[t+1+j]), weighted 0.8^j as Medusa does."""
+
+    def __init__(self, net: MedusaNet, target_head, vocab: int):
+        self.net, self.target_head, self.vocab = net, target_head, vocab
+        K = net.num_heads
+        self.weights = 0.8 ** torch.arange(K, dtype=torch.float32)
+        self.to_draft = _to_draft(net.d2t, vocab) if net.draft_vocab else None
+
+    def forward(self, f: Features):
+        """Logits [T', K, V or draft V] of the answer's positions and the target's tokens there [T', K]
+        (-100 past the sequence's end)."""
+        K, T = self.net.num_heads, len(f.ids)
+        first = max(f.loss_from - 1, 0)
+        t = torch.arange(first, T - 1)
+        dev = self.net.heads[0][0].linear.weight.device
+        states = self.net(f.final[first : T - 1].to(dev).float())
+        logits = self.net.lm_head(states) if self.net.draft_vocab else self.target_head(states)
+        at = t[:, None] + 1 + torch.arange(K)[None]
+        labels = torch.where(at < T, f.labels[at.clamp(max=T - 1)], torch.full_like(at, -100))
+        return logits.float(), labels.to(dev)
+
+    def loss(self, f: Features, rng: random.Random):
+        if len(f.ids) - max(f.loss_from - 1, 0) < 2:
+            return None, 0
+        logits, labels = self.forward(f)
+        targets = labels if self.to_draft is None else torch.where(
+            labels >= 0, self.to_draft.to(labels.device)[labels.clamp_min(0)], labels)
+        per = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none", ignore_index=-100)
+        w = self.weights.to(per.device).repeat(logits.shape[0]) * (targets.flatten() != -100)
+        return (per * w).sum() / w.sum().clamp_min(1e-6), logits.shape[0]
+
+    @torch.no_grad()
+    def evaluate(self, features: list[Features], rng: random.Random) -> dict:
+        """Per head, α = how often its top-1 guess is the target's token, given the heads before it
+        were right; τ = 1 + mean run of right guesses (the greedy chain of top-1 guesses; the tree
+        the drafter offers does better)."""
+        K = self.net.num_heads
+        reached, accepted, runs = torch.zeros(K), torch.zeros(K), []
+        for f in features:
+            if len(f.ids) - max(f.loss_from - 1, 0) < 2:
+                continue
+            logits, labels = self.forward(f)
+            pick = logits.argmax(-1)
+            if self.net.draft_vocab:
+                pick = pick + self.net.d2t.to(pick.device)[pick]
+            match = (pick == labels).long()
+            run = match.cumprod(1).sum(1)
+            runs += run.tolist()
+            for j in range(K):
+                alive = run >= j
+                reached[j] += alive.sum()
+                accepted[j] += (alive & (match[:, j] == 1)).sum()
+        alpha = (accepted / reached.clamp_min(1)).tolist()
+        return {"tau": 1 + sum(runs) / max(1, len(runs)), "alpha_by_slot": [round(a, 3) for a in alpha],
+                "positions": len(runs)}
+
+
+def _to_draft(d2t: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Target id -> draft index (-100: not in the draft vocabulary, ignored by the loss)."""
+    to_draft = torch.full((vocab,), -100, dtype=torch.long)
+    ids = torch.arange(d2t.shape[0]) + d2t.cpu()
+    to_draft[ids] = torch.arange(d2t.shape[0])
+    return to_draft
+
+
+@torch.no_grad()
+def final_hidden_states(target, features: list[Features], work: Path, progress: Progress) -> None:
+    """Each sequence's final normed hidden states [T, H] (fp16) as ``f.final``: one target pass per
+    sequence over its cached text, cached in ``work`` beside the features."""
+    from ..models.backend import Backend
+
+    path = work / "final-hidden.pt"
+    if path.is_file():
+        finals = torch.load(path, weights_only=False)
+        if len(finals) == len(features) and all(len(x) == len(f.ids) for x, f in zip(finals, features)):
+            for f, x in zip(features, finals):
+                f.final = x
+            return
+    backend, n = Backend(target.model, "auto"), target.model.config.num_hidden_layers
+    progress.stage("final hidden states (sequences)", len(features))
+    for f in features:
+        state = backend.new_state(1, len(f.ids) + 8)
+        _, hidden = state.append(f.ids[None].to(target.device), taps=(n,))
+        f.final = hidden[0, :, 0].half().cpu()
+        progress.advance("final hidden states (sequences)", 1)
+    torch.save([f.final for f in features], path)
+
+
 def run_train(s: TrainSettings, progress_bar: bool = True, log=print) -> dict:
     check_settings(s)
     from ..models.loading import load_model
@@ -342,27 +431,40 @@ def run_train(s: TrainSettings, progress_bar: bool = True, log=print) -> dict:
     if any(t < 0 or t > n_layers for t in taps):
         raise SpeculantError(f"--taps must be layer ids in 0..{n_layers} for this target, got {taps}")
     out = Path(s.out)
-    work = out.parent / f"{out.name}.work"
+    work = Path(s.work) if s.work else out.parent / f"{out.name}.work"
     progress = Progress(progress_bar)
     try:
         shards = build_features(s, target, taps, work, progress)
         features = load_features(shards)
+        if s.kind == "medusa":  # the heads read the final normed state: one more target pass per sequence
+            final_hidden_states(target, features, work, progress)
         rng.shuffle(features)
         held = features[: min(s.eval_sequences, max(1, len(features) // 10))]
         train = features[len(held):] or features
         vocab = int(model.get_output_embeddings().weight.shape[0])
         d2t, t2d = draft_vocabulary(train, s.draft_vocab, vocab)
-        cfg = dflash_config(model, str(_verifier_path(s.target)), s.layers, taps, s.block_size,
-                            pick_mask_token(target.tokenizer, vocab), s.draft_vocab if d2t is not None else vocab)
-        net = DFlashNet(cfg).to(target.device)
+        draft_size = s.draft_vocab if d2t is not None else vocab
+        head = model.get_output_embeddings()
+        if s.kind == "dflash":
+            cfg = dflash_config(model, str(_verifier_path(s.target)), s.layers, taps, s.block_size,
+                                pick_mask_token(target.tokenizer, vocab), draft_size)
+            net = DFlashNet(cfg).to(target.device)
+            trainer = DFlashTrainer(net, model.get_input_embeddings(), head, vocab, s.anchors)
+        else:
+            cfg = medusa_config(model, str(_verifier_path(s.target)), s.heads, s.layers, draft_size)
+            net = MedusaNet(cfg).to(target.device)
         if d2t is not None:
             net.d2t.copy_(d2t)
             net.t2d.copy_(t2d)
-        trainer = DFlashTrainer(net, model.get_input_embeddings(), model.get_output_embeddings(), vocab, s.anchors)
+        if s.kind == "medusa":
+            if d2t is not None:  # the draft head starts as the target's own rows for those tokens
+                with torch.no_grad():
+                    net.lm_head.weight.copy_(head.weight[torch.arange(len(d2t)) + d2t])
+            trainer = MedusaTrainer(net, head, vocab)
         params = [p for p in net.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=0.0, betas=(0.9, 0.95))
         total = s.steps or max(1, math.ceil(s.epochs * len(train) / s.batch))
-        step, ckpt = 0, work / "checkpoint.pt"
+        step, ckpt = 0, work / f"checkpoint-{s.kind}.pt"
         if s.resume and ckpt.is_file():
             state = torch.load(ckpt, weights_only=False)
             if state["config"] == cfg:

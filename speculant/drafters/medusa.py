@@ -1,0 +1,89 @@
+"""``medusa:DIR``: trained Medusa heads propose a token tree from the target's last hidden state.
+
+The verify pass hands over the final normed hidden state of the last token it cached (the one
+whose logits gave the pass's next token, the tree's root); one forward of the K heads gives K
+distributions, for the tokens 1..K after the root. The tree is grown best-first: a node's score is
+the product of its path's head probabilities, children of a depth-d node are head d+1's top
+candidates, nodes are listed by decreasing score (so any prefix is a tree and the engine may cut
+it to its budget). The drafts are a deterministic function of the accepted text (q one-hot), so
+greedy and sampled verification both stay exact.
+"""
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+from ..errors import SpeculantError
+from ..trained.format import check_target, load_state, read_config
+from ..trained.medusa import MedusaNet
+from .base import DraftContext, Drafter, Proposal, tree_proposal
+from .model import fit_vocab
+
+TOP_PER_HEAD = 4  # candidates per depth the tree may branch into
+
+
+def load_medusa(folder: str, target: torch.nn.Module, target_name: str, dtype=None) -> "MedusaDrafter":
+    cfg = read_config(folder)
+    check_target(cfg, folder, target, target_name)
+    net = MedusaNet(cfg)
+    missing, unexpected = net.load_state_dict(load_state(folder), strict=False)
+    if missing or unexpected:
+        raise SpeculantError(f"drafter '{folder}' does not match Medusa heads: missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]}")
+    p = next(target.parameters())
+    net.to(device=p.device, dtype=dtype or p.dtype).eval()
+    return MedusaDrafter(net, target, label=str(folder))
+
+
+class MedusaDrafter(Drafter):
+    name = "medusa"
+    makes_trees = True
+    block_drafts = True  # one forward of the heads per pass, whatever the tree's size
+
+    def __init__(self, net: MedusaNet, target: torch.nn.Module, label: str = "medusa"):
+        self.net, self.label = net, label
+        self.head = target.get_output_embeddings()
+        self.hidden_layers = net.taps
+
+    def describe(self) -> str:
+        return f"medusa:{self.label}"
+
+    def start(self, ctx: DraftContext) -> None:
+        self.ctx = ctx
+        self.last = torch.stack([h[-1, 0] for h in ctx.prompt_hidden])  # [B, H]
+
+    def observe_hidden(self, hidden: list[torch.Tensor]) -> None:
+        self.last = torch.stack([h[-1, 0] for h in hidden])
+
+    def update(self, new_tokens, n_accepted) -> None:
+        pass  # the tree hangs under the pass's first token; the heads need only the hidden state
+
+    def select(self, rows) -> None:
+        self.last = self.last[torch.tensor(rows, dtype=torch.long, device=self.last.device)]
+
+    @torch.no_grad()
+    def propose(self, gamma: int) -> Proposal:
+        V = self.ctx.vocab_size
+        logits = fit_vocab(self.net.logits(self.net(self.last), self.head, V), V)  # [B, K, V]
+        top_p, top_i = logits.log_softmax(-1).exp().topk(min(TOP_PER_HEAD, V), dim=-1)
+        return tree_proposal([best_first(p, i, gamma) for p, i in zip(top_p.tolist(), top_i.tolist())],
+                             self.ctx.device)
+
+
+def best_first(probs: list[list[float]], ids: list[list[int]], budget: int):
+    """(tokens, parents, scores) of the ``budget`` most probable paths' nodes: depth d's candidates
+    are ids[d - 1] with probs[d - 1]; a path's score is the product along it."""
+    tokens, parents, scores = [], [], []
+    heap = [(-probs[0][c], 0, c, -1) for c in range(len(ids[0]))]  # (−score, depth index, candidate, parent)
+    heapq.heapify(heap)
+    while heap and len(tokens) < budget:
+        neg, d, c, parent = heapq.heappop(heap)
+        tokens.append(ids[d][c])
+        parents.append(parent)
+        scores.append(-neg)
+        node = len(tokens) - 1
+        if d + 1 < len(ids):
+            for c2 in range(len(ids[d + 1])):
+                heapq.heappush(heap, (neg * probs[d + 1][c2], d + 1, c2, node))
+    return tokens, parents, scores
