@@ -13,24 +13,13 @@ import torch
 
 from ..sampling import TokenHistory
 from ..trained.dflash import DFlashNet
-from ..trained.format import check_target, load_state, read_config
+from ..trained.format import load_network
 from .base import DraftContext, Drafter, Proposal
 from .model import fit_vocab
 
 
 def load_dflash(folder: str, target: torch.nn.Module, target_name: str, dtype=None) -> "DFlashDrafter":
-    cfg = read_config(folder)
-    check_target(cfg, folder, target, target_name)
-    net = DFlashNet(cfg)
-    missing, unexpected = net.load_state_dict(load_state(folder), strict=False)
-    missing = [k for k in missing if k != "inv_freq"]
-    if missing or unexpected:
-        from ..errors import SpeculantError
-
-        raise SpeculantError(f"drafter '{folder}' does not match a DFlash network: missing {missing[:3]}, "
-                             f"unexpected {unexpected[:3]}")
-    p = next(target.parameters())
-    net.to(device=p.device, dtype=dtype or p.dtype).eval()
+    net = load_network(folder, target, target_name, DFlashNet, "a DFlash network", dtype)
     return DFlashDrafter(net, target, label=str(folder))
 
 

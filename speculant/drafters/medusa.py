@@ -14,8 +14,7 @@ import heapq
 
 import torch
 
-from ..errors import SpeculantError
-from ..trained.format import check_target, load_state, read_config
+from ..trained.format import load_network
 from ..trained.medusa import MedusaNet
 from .base import DraftContext, Drafter, Proposal, tree_proposal
 from .model import fit_vocab
@@ -24,15 +23,7 @@ TOP_PER_HEAD = 4  # candidates per depth the tree may branch into
 
 
 def load_medusa(folder: str, target: torch.nn.Module, target_name: str, dtype=None) -> "MedusaDrafter":
-    cfg = read_config(folder)
-    check_target(cfg, folder, target, target_name)
-    net = MedusaNet(cfg)
-    missing, unexpected = net.load_state_dict(load_state(folder), strict=False)
-    if missing or unexpected:
-        raise SpeculantError(f"drafter '{folder}' does not match Medusa heads: missing {missing[:3]}, "
-                             f"unexpected {unexpected[:3]}")
-    p = next(target.parameters())
-    net.to(device=p.device, dtype=dtype or p.dtype).eval()
+    net = load_network(folder, target, target_name, MedusaNet, "Medusa heads", dtype)
     return MedusaDrafter(net, target, label=str(folder))
 
 

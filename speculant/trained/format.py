@@ -83,6 +83,21 @@ def shipped_for(target: torch.nn.Module, kind: str | None = None) -> Path | None
     return None
 
 
+def load_network(folder, target: torch.nn.Module, target_name: str, build, what: str, dtype=None) -> torch.nn.Module:
+    """A trained drafter's network from its folder (``build(config)`` makes it), checked against
+    the target it runs with, on the target's device and in its dtype (or ``dtype``)."""
+    cfg = read_config(folder)
+    check_target(cfg, folder, target, target_name)
+    net = build(cfg)
+    missing, unexpected = net.load_state_dict(load_state(folder), strict=False)
+    missing = [k for k in missing if k != "inv_freq"]  # a buffer rebuilt from the config
+    if missing or unexpected:
+        raise SpeculantError(f"drafter '{folder}' does not match {what}: missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]}")
+    p = next(target.parameters())
+    return net.to(device=p.device, dtype=dtype or p.dtype).eval()
+
+
 def load_state(folder: str | Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 

@@ -253,6 +253,33 @@ def draft_vocabulary(features: list[Features], size: int, vocab: int) -> tuple[t
     return chosen - torch.arange(size), t2d
 
 
+class GreedyRuns:
+    """Held-out acceptance of a drafter's top-1 guesses under greedy verification: per slot, how
+    often its guess is the target's token given the slots before it were right (α), and τ = 1 +
+    the mean run of right guesses."""
+
+    def __init__(self, slots: int, d2t: torch.Tensor | None):
+        self.reached, self.accepted, self.runs, self.d2t = torch.zeros(slots), torch.zeros(slots), [], d2t
+
+    def add(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        """logits [N, slots, V or draft V], the target's tokens [N, slots]."""
+        pick = logits.argmax(-1)
+        if self.d2t is not None:
+            pick = pick + self.d2t.to(pick.device)[pick]
+        match = (pick == labels).long()
+        run = match.cumprod(1).sum(1)
+        self.runs += run.tolist()
+        for j in range(match.shape[1]):
+            alive = run >= j
+            self.reached[j] += alive.sum()
+            self.accepted[j] += (alive & (match[:, j] == 1)).sum()
+
+    def result(self, unit: str) -> dict:
+        alpha = (self.accepted / self.reached.clamp_min(1)).tolist()
+        return {"tau": 1 + sum(self.runs) / max(1, len(self.runs)), "alpha_by_slot": [round(a, 3) for a in alpha],
+                unit: len(self.runs)}
+
+
 class DFlashTrainer:
     """The loss and the held-out evaluation of a DFlash network on cached features."""
 
@@ -304,26 +331,12 @@ class DFlashTrainer:
     @torch.no_grad()
     def evaluate(self, features: list[Features], rng: random.Random) -> dict:
         """α per slot and τ = 1 + mean accepted run (greedy verification of each block)."""
-        K = self.net.block_size
-        reached, accepted, runs = torch.zeros(K - 1), torch.zeros(K - 1), []
+        runs = GreedyRuns(self.net.block_size - 1, self.net.d2t if self.net.draft_vocab else None)
         for f in features:
             anchors = self._blocks(f, 64, rng)
-            if anchors is None:
-                continue
-            logits, labels = self.forward(f, anchors)
-            pick = logits.argmax(-1)
-            if self.net.draft_vocab:
-                pick = pick + self.net.d2t.to(pick.device)[pick]
-            match = (pick == labels).long()
-            run = match.cumprod(1).sum(1)
-            runs += run.tolist()
-            for j in range(K - 1):
-                alive = run >= j
-                reached[j] += alive.sum()
-                accepted[j] += (alive & (match[:, j] == 1)).sum()
-        alpha = (accepted / reached.clamp_min(1)).tolist()
-        return {"tau": 1 + sum(runs) / max(1, len(runs)), "alpha_by_slot": [round(a, 3) for a in alpha],
-                "blocks": len(runs)}
+            if anchors is not None:
+                runs.add(*self.forward(f, anchors))
+        return runs.result("blocks")
 
 
 class MedusaTrainer:
@@ -364,25 +377,11 @@ class MedusaTrainer:
         """Per head, α = how often its top-1 guess is the target's token, given the heads before it
         were right; τ = 1 + mean run of right guesses (the greedy chain of top-1 guesses; the tree
         the drafter offers does better)."""
-        K = self.net.num_heads
-        reached, accepted, runs = torch.zeros(K), torch.zeros(K), []
+        runs = GreedyRuns(self.net.num_heads, self.net.d2t if self.net.draft_vocab else None)
         for f in features:
-            if len(f.ids) - max(f.loss_from - 1, 0) < 2:
-                continue
-            logits, labels = self.forward(f)
-            pick = logits.argmax(-1)
-            if self.net.draft_vocab:
-                pick = pick + self.net.d2t.to(pick.device)[pick]
-            match = (pick == labels).long()
-            run = match.cumprod(1).sum(1)
-            runs += run.tolist()
-            for j in range(K):
-                alive = run >= j
-                reached[j] += alive.sum()
-                accepted[j] += (alive & (match[:, j] == 1)).sum()
-        alpha = (accepted / reached.clamp_min(1)).tolist()
-        return {"tau": 1 + sum(runs) / max(1, len(runs)), "alpha_by_slot": [round(a, 3) for a in alpha],
-                "positions": len(runs)}
+            if len(f.ids) - max(f.loss_from - 1, 0) >= 2:
+                runs.add(*self.forward(f))
+        return runs.result("positions")
 
 
 def _to_draft(d2t: torch.Tensor, vocab: int) -> torch.Tensor:
