@@ -14,6 +14,7 @@ from speculant.errors import SpeculantError
 from speculant.trained.format import save_folder
 from speculant.trained.medusa import MedusaNet, medusa_config
 from helpers import hf_greedy, mismatch_report, save_tiny_folder, tiny_llama
+from test_dflash import _jsonl
 from test_engine_sampling import PARAMS, exact_distribution, fit_pvalue, peaked, sample_counts
 
 
@@ -124,20 +125,11 @@ def test_refusals_are_one_line(tmp_path, capsys):
     assert code == 2 and err.count("\n") == 1 and "medusa" in err, err
 
 
-def _jsonl(path, n=48):
-    g = torch.Generator().manual_seed(0)
-    with open(path, "w") as f:
-        for _ in range(n):
-            period = torch.randint(2, 20, (3,), generator=g).tolist()
-            f.write(json.dumps({"text": " ".join(f"w{t}" for t in period * 10)}) + "\n")
-    return path
-
-
 def test_training_lowers_the_loss_and_the_folder_drafts_losslessly(tmp_path):
     from speculant.trained.train import TrainSettings, run_train
 
     target_dir = save_tiny_folder(tmp_path / "target", seed=0)
-    data = _jsonl(tmp_path / "data.jsonl")
+    data = _jsonl(tmp_path / "data.jsonl", n=48)
     common = dict(kind="medusa", target=str(target_dir), data=str(data), heads=3, draft_vocab=64, batch=4,
                   eval_sequences=4, checkpoint_every=1000, work=str(tmp_path / "cache"))
     first = run_train(TrainSettings(out=str(tmp_path / "m1"), steps=1, **common), progress_bar=False,
