@@ -55,9 +55,16 @@ class MedusaDrafter(Drafter):
 
     @torch.no_grad()
     def propose(self, gamma: int) -> Proposal:
-        V = self.ctx.vocab_size
-        logits = fit_vocab(self.net.logits(self.net(self.last), self.head, V), V)  # [B, K, V]
-        top_p, top_i = logits.log_softmax(-1).exp().topk(min(TOP_PER_HEAD, V), dim=-1)
+        V, net = self.ctx.vocab_size, self.net
+        states = net(self.last)  # [B, K, H]
+        if net.draft_vocab:  # rank in the draft vocabulary, then map: never builds the V-wide rows
+            ids = torch.arange(net.d2t.shape[0], device=net.d2t.device) + net.d2t
+            small = net.lm_head(states).float().masked_fill(ids >= V, float("-inf"))
+            top_p, top = small.log_softmax(-1).exp().topk(min(TOP_PER_HEAD, small.shape[-1]), dim=-1)
+            top_i = ids[top]
+        else:
+            logits = fit_vocab(net.logits(states, self.head, V), V)  # [B, K, V]
+            top_p, top_i = logits.log_softmax(-1).exp().topk(min(TOP_PER_HEAD, V), dim=-1)
         return tree_proposal([best_first(p, i, gamma) for p, i in zip(top_p.tolist(), top_i.tolist())],
                              self.ctx.device)
 
