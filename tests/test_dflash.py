@@ -194,10 +194,11 @@ def test_training_lowers_the_loss_and_writes_a_loadable_folder(tmp_path):
 
     target_dir = save_tiny_folder(tmp_path / "target", seed=0)
     data = _jsonl(tmp_path / "data.jsonl")
-    first = run_train(TrainSettings(target=str(target_dir), data=str(data), out=str(tmp_path / "d1"), steps=1,
+    first = run_train(TrainSettings(kind="dflash", target=str(target_dir), data=str(data), out=str(tmp_path / "d1"), steps=1,
                                     block_size=4, draft_vocab=96, batch=4, anchors=16, eval_sequences=4,
                                     checkpoint_every=1000), progress_bar=False, log=lambda *a: None)
-    trained = run_train(TrainSettings(target=str(target_dir), data=str(data), out=str(tmp_path / "d2"), steps=120,
+    trained = run_train(TrainSettings(kind="dflash", target=str(target_dir), data=str(data), out=str(tmp_path / "d2"),
+                                      steps=120,
                                       block_size=4, draft_vocab=96, batch=4, anchors=16, eval_sequences=4, lr=3e-3,
                                       checkpoint_every=1000), progress_bar=False, log=lambda *a: None)
     curve = trained["loss_curve"]
@@ -222,7 +223,7 @@ def test_sharegpt_reader_stops_at_the_cut():
 @pytest.mark.parametrize("setup,args,message", [
     ("empty", ["--data", "{data}"], "has no records"),
     ("malformed", ["--data", "{data}"], "line 1: not valid JSON"),
-    ("good", ["--kind", "eagle", "--data", "{data}"], "not built yet"),
+    ("gpt2", ["--kind", "eagle", "--data", "{data}"], "GPT2LMHeadModel"),
     ("good", ["--kind", "lookahead", "--data", "{data}"], "unknown drafter kind"),
     ("exists", ["--data", "{data}"], "exists: pass --overwrite"),
 ])
@@ -232,7 +233,15 @@ def test_train_bad_input_is_one_line(tmp_path, capsys, setup, args, message):
     out = tmp_path / "out"
     if setup == "exists":
         out.mkdir()
-    code = main(["train", "--target", "default", "--out", str(out), *[a.format(data=data) for a in args]])
+    target = "default"
+    if setup == "gpt2":  # an architecture the drafters' layers cannot copy
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        target = str(save_tiny_folder(tmp_path / "llama"))
+        GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=2, n_positions=64)).save_pretrained(
+            tmp_path / "llama")
+        capsys.readouterr()
+    code = main(["train", "--target", target, "--out", str(out), *[a.format(data=data) for a in args]])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and message in err, err
 
@@ -245,9 +254,11 @@ def test_a_drafter_for_another_target_is_refused_naming_both(tmp_path):
         load_dflash(folder, other, "other")
 
 
-def test_train_and_run_on_a_second_architecture(tmp_path):
-    """Gemma 3 (the other real target: per-layer-type rotary settings, scaled embeddings, the general
-    path with HF's hidden states) trains a few steps and drafts losslessly."""
+@pytest.mark.parametrize("kind", ["dflash", "eagle"])
+def test_train_and_run_on_a_second_architecture(tmp_path, kind):
+    """Gemma 3 (the other real target: per-layer-type rotary settings, scaled embeddings, a final
+    norm of its own convention, the general path with HF's hidden states) trains a few steps and
+    drafts losslessly."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     from speculant.trained.train import TrainSettings, run_train
@@ -263,10 +274,10 @@ def test_train_and_run_on_a_second_architecture(tmp_path):
         if (folder / name).exists():
             (tmp_path / "gemma" / name).write_bytes((folder / name).read_bytes())
     data = _jsonl(tmp_path / "data.jsonl", n=8)
-    run_train(TrainSettings(target=str(tmp_path / "gemma"), data=str(data), out=str(tmp_path / "d"), steps=3,
+    run_train(TrainSettings(kind=kind, target=str(tmp_path / "gemma"), data=str(data), out=str(tmp_path / "d"), steps=3,
                             block_size=4, draft_vocab=48, batch=2, anchors=8, eval_sequences=2),
               progress_bar=False, log=lambda *a: None)
-    gen = speculant.load(str(tmp_path / "gemma"), drafter=f"dflash:{tmp_path / 'd'}", gamma=3)
+    gen = speculant.load(str(tmp_path / "gemma"), drafter=f"{kind}:{tmp_path / 'd'}", gamma=3)
     ids = gen.tokenizer("w3 w7 w3 w7 w3 w7")["input_ids"]
     out = gen.generate_ids([ids], max_new_tokens=10)[0]
     assert out.token_ids == hf_greedy(gen.target.model, ids, 10)[: len(out.token_ids)]

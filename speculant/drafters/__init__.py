@@ -11,8 +11,9 @@ from .ngram import NgramDrafter
 from .none import NoDrafter
 from .suffix import SuffixDrafter
 
+TRAINED = ("dflash:", "eagle:", "medusa:", "trained:")  # a trained drafter's folder follows the colon
 DRAFTER_HELP = (
-    "none | ngram | ngram:tree | suffix | suffix:arctic | dflash (the shipped one) | dflash:DIR | medusa:DIR | trained:DIR | model:PATH (PATH: a model folder, a .gguf file, or 'default'; another tokenizer works "
+    "none | ngram | ngram:tree | suffix | suffix:arctic | dflash (the shipped one) | dflash:DIR | eagle:DIR | medusa:DIR | trained:DIR | model:PATH (PATH: a model folder, a .gguf file, or 'default'; another tokenizer works "
     "through text) | layerskip[:FILE.json|:A-B:STEP] | cascade:A,B (A: ngram or model:PATH, B: model:PATH or layerskip)"
 )
 
@@ -63,14 +64,14 @@ def validate_drafter_spec(spec) -> None:
 
         resolve_model_path(spec[len("model:") :] or "")
         return
-    if spec.startswith(("dflash:", "medusa:", "trained:")):
-        from ..trained.format import read_config
+    if spec.startswith(TRAINED):
+        from ..trained.format import drafter_kind, read_config
 
         kind, folder = spec.split(":", 1)
-        cfg = read_config(folder)
-        if kind != "trained" and cfg["speculators_model_type"] != kind:
-            raise SpeculantError(f"'{folder}' holds a {cfg['speculators_model_type']} drafter, not {kind}: "
-                                 f"use --drafter {cfg['speculators_model_type']}:{folder} or trained:{folder}")
+        found = drafter_kind(read_config(folder))
+        if kind != "trained" and found != kind:
+            raise SpeculantError(f"'{folder}' holds a {found} drafter, not {kind}: "
+                                 f"use --drafter {found}:{folder} or trained:{folder}")
         return
     if spec == "layerskip" or spec.startswith("layerskip:"):
         from .layerskip import validate_layerskip_spec
@@ -92,12 +93,17 @@ def _load_draft(path: str, target, device, dtype):
 
 def load_trained(folder: str, target) -> Drafter:
     """A trained drafter folder, of the kind its config names."""
-    from ..trained.format import read_config
+    from ..trained.format import drafter_kind, read_config
 
-    if read_config(folder)["speculators_model_type"] == "medusa":
+    kind = drafter_kind(read_config(folder))
+    if kind == "medusa":
         from .medusa import load_medusa
 
         return load_medusa(folder, target.model, target.name)
+    if kind == "eagle":
+        from .eagle import load_eagle
+
+        return load_eagle(folder, target.model, target.name)
     from .dflash import load_dflash
 
     return load_dflash(folder, target.model, target.name)
@@ -114,7 +120,7 @@ def make_drafter(spec, target, device=None, dtype=None) -> Drafter:
         return NgramDrafter()
     if spec == "ngram:tree":
         return NgramDrafter(tree=True)
-    if spec.startswith(("dflash:", "medusa:", "trained:")):
+    if spec.startswith(TRAINED):
         return load_trained(spec.split(":", 1)[1], target)
     if spec == "dflash":
         from ..trained.format import shipped_for

@@ -122,9 +122,9 @@ class Features:
 
     ids: torch.Tensor  # [T] int64
     loss_from: int
-    hidden: torch.Tensor  # [T, len(taps), H] float16: the target's tapped hidden states
+    hidden: torch.Tensor  # [T, len(taps), H] bfloat16 (no overflow, any target dtype): tapped hidden states
     labels: torch.Tensor  # [T] int64: the target's choice after position t (its greedy next token)
-    final: torch.Tensor | None = None  # [T, H] float16: the final normed hidden states (Medusa), when computed
+    final: torch.Tensor | None = None  # [T, H]: the final normed hidden states (split from ``hidden`` for training)
 
 
 class _Recorder(Drafter):
@@ -136,12 +136,12 @@ class _Recorder(Drafter):
         self.hidden_layers = tuple(taps)
 
     def start(self, ctx):
-        self.rows = [[h.half().cpu()] for h in ctx.prompt_hidden]
+        self.rows = [[h.to(torch.bfloat16).cpu()] for h in ctx.prompt_hidden]
         self.device, self.slots = ctx.device, list(range(len(ctx.prompts)))
 
     def observe_hidden(self, hidden):
         for slot, h in zip(self.slots, hidden):
-            self.rows[slot].append(h.half().cpu())
+            self.rows[slot].append(h.to(torch.bfloat16).cpu())
 
     def update(self, new_tokens, n_accepted):
         pass
@@ -190,5 +190,6 @@ def text_features(target, examples: list[Example], taps) -> list[Features]:
     for ex in examples:
         state = backend.new_state(1, len(ex.ids) + 8)
         logits, hidden = state.append(torch.tensor([ex.ids], device=target.device), taps=tuple(taps))
-        out.append(Features(torch.tensor(ex.ids), ex.loss_from, hidden[0].half().cpu(), logits[0].argmax(-1).cpu()))
+        out.append(Features(torch.tensor(ex.ids), ex.loss_from, hidden[0].to(torch.bfloat16).cpu(),
+                            logits[0].argmax(-1).cpu()))
     return out

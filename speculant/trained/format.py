@@ -7,7 +7,6 @@ drafting garbage (a folder without it is checked on shapes only).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -15,17 +14,30 @@ import torch
 
 from ..errors import SpeculantError
 
-KINDS = ("dflash", "medusa")  # speculators_model_type values speculant runs (medusa: speculant's own format)
+# speculators_model_type -> the kind speculant names it by (--drafter KIND:DIR, speculant train --kind KIND);
+# medusa is speculant's own format (speculators has no Medusa model)
+KINDS = {"dflash": "dflash", "eagle3": "eagle", "medusa": "medusa"}
 SPECULATORS_VERSION = "0.9.0"
 
 
 def target_fingerprint(model: torch.nn.Module) -> dict:
+    """The target's shape and a checksum of its embedding matrix (summed |values| of a few rows),
+    the same whatever dtype the target was loaded in (see ``same_target``)."""
     cfg = model.config
     emb = model.get_input_embeddings().weight
-    rows = emb[: min(64, emb.shape[0])].detach().float().cpu().contiguous()
+    rows = emb[torch.linspace(0, emb.shape[0] - 1, 8).long()].detach().float().cpu()
     return {"hidden_size": int(cfg.hidden_size), "num_hidden_layers": int(cfg.num_hidden_layers),
-            "vocab_size": int(emb.shape[0]),
-            "embed_sha256": hashlib.sha256(rows.round(decimals=3).numpy().tobytes()).hexdigest()[:16]}
+            "vocab_size": int(emb.shape[0]), "embed_checksum": [round(float(x), 3) for x in rows.abs().sum(1)]}
+
+
+def target_differences(want: dict, have: dict) -> list[str]:
+    """What differs between two fingerprints (checksums within 1%: bf16 rounding stays well inside)."""
+    problems = [k for k in ("hidden_size", "num_hidden_layers", "vocab_size") if want.get(k) != have[k]]
+    sums = want.get("embed_checksum")
+    if not problems and (not isinstance(sums, list) or len(sums) != len(have["embed_checksum"]) or any(
+            abs(a - b) > 0.01 * max(abs(a), abs(b), 1e-6) for a, b in zip(sums, have["embed_checksum"]))):
+        problems.append("embedding weights")
+    return problems
 
 
 def read_config(folder: str | Path) -> dict:
@@ -41,9 +53,26 @@ def read_config(folder: str | Path) -> dict:
     if kind not in KINDS:
         raise SpeculantError(f"'{folder}' holds a {kind or 'non-speculators'} model; speculant runs trained "
                              f"drafters of type {', '.join(KINDS)}")
+    if not tapped_layers(cfg) and kind != "eagle3":  # eagle3 may leave them to the target (see default_taps)
+        raise SpeculantError(f"{path / 'config.json'} names no tapped target layers (aux_hidden_state_layer_ids)")
     if not (path / "model.safetensors").is_file():
         raise SpeculantError(f"'{folder}' has no model.safetensors")
     return cfg
+
+
+def drafter_kind(cfg: dict) -> str:
+    """The kind of a drafter folder's config: dflash, eagle or medusa."""
+    return KINDS[cfg["speculators_model_type"]]
+
+
+def tapped_layers(cfg: dict) -> list[int]:
+    """The target layers a drafter reads (EAGLE-3 names them ``eagle_aux_hidden_state_layer_ids``)."""
+    return list(cfg.get("aux_hidden_state_layer_ids") or cfg.get("eagle_aux_hidden_state_layer_ids") or [])
+
+
+def default_taps(num_layers: int) -> list[int]:
+    """Low, middle and high layers (EAGLE-3's choice, as vLLM taps them: the input of each layer)."""
+    return sorted({min(2, num_layers - 1), num_layers // 2, max(0, num_layers - 3)})
 
 
 def check_target(cfg: dict, folder, target: torch.nn.Module, target_name: str) -> None:
@@ -54,13 +83,13 @@ def check_target(cfg: dict, folder, target: torch.nn.Module, target_name: str) -
     trained_for = cfg.get("speculators_config", {}).get("verifier", {}).get("name_or_path") or "another model"
     problems = []
     if want:
-        problems = [k for k in ("hidden_size", "num_hidden_layers", "vocab_size", "embed_sha256") if want.get(k) != have[k]]
+        problems = target_differences(want, have)
     else:
         if int(tl["vocab_size"]) != have["vocab_size"]:
             problems.append("vocab_size")
         if int(cfg.get("target_hidden_size") or tl["hidden_size"]) != have["hidden_size"]:
             problems.append("hidden_size")
-    if max(cfg["aux_hidden_state_layer_ids"]) > have["num_hidden_layers"]:
+    if max(tapped_layers(cfg) or [0]) > have["num_hidden_layers"]:
         problems.append("tapped layers")
     if problems:
         raise SpeculantError(f"drafter '{folder}' was trained for {trained_for}, not for {target_name} "
@@ -78,7 +107,8 @@ def shipped_for(target: torch.nn.Module, kind: str | None = None) -> Path | None
     have = target_fingerprint(target)
     for folder in shipped_drafters():
         cfg = json.loads((folder / "config.json").read_text())
-        if cfg.get("speculant_target") == have and kind in (None, cfg.get("speculators_model_type")):
+        want = cfg.get("speculant_target")
+        if want and not target_differences(want, have) and kind in (None, drafter_kind(cfg)):
             return folder
     return None
 
@@ -128,25 +158,40 @@ def save_folder(folder: str | Path, cfg: dict, state: dict[str, torch.Tensor]) -
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def dflash_config(target: torch.nn.Module, target_name: str, layers: int, taps: list[int], block_size: int,
-                  mask_token_id: int, draft_vocab_size: int | None = None) -> dict:
-    """A speculators DFlash config for ``target``: draft layers of the target's width (Qwen3-style
-    attention, as speculators builds them), the target's rope, tapped layer ids, block size."""
+def layer_config(target: torch.nn.Module, layers: int, model_type: str) -> dict:
+    """The drafter's transformer_layer_config: decoder layers of the target's width and rope, in
+    the architecture speculators builds for the kind (qwen3: DFlash; llama: EAGLE-3)."""
     c = target.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     rope = getattr(c, "rope_parameters", None) or {}
     if "rope_theta" not in rope:  # per layer type (Gemma 3): the global layers' base
         rope = rope.get("full_attention") or next(iter(rope.values()), {})
     theta = rope.get("rope_theta") or getattr(c, "rope_theta", None) or 10000.0
-    layer_cfg = {
-        "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size, "num_hidden_layers": layers,
+    return {
+        "model_type": model_type, "architectures": [{"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[model_type]],
+        "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "num_hidden_layers": layers,
         "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
         "head_dim": head_dim, "hidden_act": "silu", "rms_norm_eps": c.rms_norm_eps,
         "max_position_embeddings": c.max_position_embeddings, "vocab_size": int(target.get_output_embeddings().weight.shape[0]),
         "rope_parameters": {"rope_theta": float(theta), "rope_type": "default"},
-        "attention_bias": False, "tie_word_embeddings": False, "layer_types": ["full_attention"] * layers,
+        "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False, "layer_types": ["full_attention"] * layers,
     }
+
+
+def speculators_config(algorithm: str, tokens: int, target: torch.nn.Module, target_name: str) -> dict:
+    """The ``speculators_config`` block: greedy proposals of ``tokens`` tokens, the verifier."""
+    archs = list(getattr(target.config, "architectures", None) or [])
+    return {"algorithm": algorithm, "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": tokens, "accept_tolerance": 0.0,
+                                  "verifier_accept_k": 1}],
+            "verifier": {"name_or_path": target_name, "architectures": archs}}
+
+
+def dflash_config(target: torch.nn.Module, target_name: str, layers: int, taps: list[int], block_size: int,
+                  mask_token_id: int, draft_vocab_size: int | None = None) -> dict:
+    """A speculators DFlash config for ``target``: draft layers of the target's width (Qwen3-style
+    attention, as speculators builds them), the target's rope, tapped layer ids, block size."""
+    layer_cfg = layer_config(target, layers, "qwen3")
     vocab = layer_cfg["vocab_size"]
     return {
         "architectures": ["DFlashDraftModel"],
@@ -157,16 +202,10 @@ def dflash_config(target: torch.nn.Module, target_name: str, layers: int, taps: 
         "block_size": block_size,
         "mask_token_id": mask_token_id,
         "draft_vocab_size": draft_vocab_size or vocab,
-        "target_hidden_size": c.hidden_size,
+        "target_hidden_size": target.config.hidden_size,
         "sample_from_anchor": False,
         "sliding_window_non_causal": False,
         "tie_word_embeddings": False,
-        "speculators_config": {
-            "algorithm": "dflash",
-            "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": block_size - 1,
-                                  "accept_tolerance": 0.0, "verifier_accept_k": 1}],
-            "verifier": {"name_or_path": target_name, "architectures": list(getattr(c, "architectures", None) or [])},
-        },
+        "speculators_config": speculators_config("dflash", block_size - 1, target, target_name),
         "speculant_target": target_fingerprint(target),
     }

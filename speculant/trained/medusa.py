@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .dflash import vocab_logits
+from .blocks import vocab_logits
 
 
 class ResBlock(nn.Module):

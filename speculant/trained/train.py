@@ -30,16 +30,16 @@ from ..errors import SpeculantError
 from .data import (Example, Features, encode_conversation, encode_prompt, jsonl_records, self_distilled_features,
                    sharegpt_conversations, text_features)
 from .dflash import DFlashNet
-from .format import dflash_config, save_folder
+from .format import default_taps, dflash_config, save_folder
+from .eagle import EagleNet, EagleTrainer, eagle_config
 from .medusa import MedusaNet, medusa_config
 
 KINDS = ("dflash", "eagle", "medusa")
-BUILT = ("dflash", "medusa")
 
 
 @dataclass
 class TrainSettings:
-    kind: str = "dflash"
+    kind: str = "eagle"
     target: str = "default"
     data: str = "sharegpt"
     out: str = ""
@@ -48,11 +48,12 @@ class TrainSettings:
     max_tokens: int = 200_000  # feature tokens (prompt + answer) to build
     conversations: int | None = None  # cap on conversations read
     self_distill: bool = True
-    answer_tokens: int = 160  # self-distilled answer length
-    seq_len: int = 512
+    answer_tokens: int = 256  # self-distilled answer length
+    seq_len: int = 640
     layers: int = 1  # dflash: decoder layers; medusa: residual blocks per head
     block_size: int = 8
     heads: int = 4  # medusa: tokens guessed beyond the next one
+    ttt_steps: int = 3  # eagle: training-time-test steps (the drafter fed its own states)
     work: str | None = None  # the cache folder (features, checkpoints); default OUT.work
     draft_vocab: int = 8192
     taps: list[int] | None = None
@@ -64,6 +65,7 @@ class TrainSettings:
     checkpoint_every: int = 100
     seed: int = 0
     device: str | None = None
+    dtype: str = "auto"  # the target's while building features (feature_dtype)
     resume: bool = False
     overwrite: bool = False
     extra: dict = field(default_factory=dict)
@@ -73,9 +75,6 @@ def check_settings(s: TrainSettings) -> None:
     """Bad input, before any model work: one line each."""
     if s.kind not in KINDS:
         raise SpeculantError(f"unknown drafter kind {s.kind!r}: use one of {', '.join(KINDS)}")
-    if s.kind not in BUILT:
-        raise SpeculantError(f"--kind {s.kind} is not built yet in speculant (only {', '.join(BUILT)}): "
-                             f"train a {' or '.join(BUILT)} drafter")
     if not s.out:
         raise SpeculantError("--out DIR is required: the folder the trained drafter is written to")
     out = Path(s.out)
@@ -85,7 +84,8 @@ def check_settings(s: TrainSettings) -> None:
         raise SpeculantError(f"output path '{out}' is a file, not a folder")
     if s.data != "sharegpt":
         next(jsonl_records(s.data))  # an empty or malformed file fails here
-    for name in ("max_tokens", "answer_tokens", "seq_len", "layers", "anchors", "batch", "eval_sequences", "heads"):
+    for name in ("max_tokens", "answer_tokens", "seq_len", "layers", "anchors", "batch", "eval_sequences", "heads",
+                 "ttt_steps"):
         if getattr(s, name) < 1:
             raise SpeculantError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(s, name)}")
     if s.block_size < 2:
@@ -94,11 +94,6 @@ def check_settings(s: TrainSettings) -> None:
         raise SpeculantError(f"--steps must be >= 1, got {s.steps}")
     if s.epochs <= 0:
         raise SpeculantError(f"--epochs must be > 0, got {s.epochs}")
-
-
-def default_taps(num_layers: int) -> list[int]:
-    """Low, middle and high layers (EAGLE-3's choice, as vLLM taps them: the input of each layer)."""
-    return sorted({min(2, num_layers - 1), num_layers // 2, max(0, num_layers - 3)})
 
 
 def pick_mask_token(tokenizer, vocab: int) -> int:
@@ -150,41 +145,31 @@ class Progress:
 
 
 def build_features(s: TrainSettings, target, taps, work: Path, progress: Progress) -> list[Path]:
-    """Shards of Features in ``work`` (reused when their manifest matches these settings)."""
+    """Shards of Features in ``work``, at least ``s.max_tokens`` target tokens of them.
+
+    The cache grows: a manifest written after every shard records its token count, so an
+    interrupted run resumes where it stopped, and a run asking for fewer tokens than the cache
+    holds (the same data and settings otherwise) takes a prefix of it instead of starting over."""
     manifest = work / "features.json"
-    key = {k: getattr(s, k) for k in ("target", "data", "max_tokens", "conversations", "self_distill",
-                                      "answer_tokens", "seq_len")} | {"taps": list(taps)}
-    if manifest.is_file() and json.loads(manifest.read_text()).get("key") == key:
-        return [work / name for name in json.loads(manifest.read_text())["shards"]]
+    key = {k: getattr(s, k) for k in ("target", "data", "conversations", "self_distill", "answer_tokens", "seq_len",
+                                      "dtype")} | {"taps": list(taps)}
+    kept = json.loads(manifest.read_text()) if manifest.is_file() else {}
+    shards = kept.get("shards", []) if kept.get("key") == key else []
+    if not shards and manifest.is_file():
+        for old in work.glob("features-*.pt"):  # another key's cache: start over
+            old.unlink()
+    tokens = sum(sh["tokens"] for sh in shards)
+    if tokens >= s.max_tokens or (shards and kept.get("exhausted")):
+        return _prefix(work, shards, s.max_tokens)
     work.mkdir(parents=True, exist_ok=True)
-    # An interrupted run leaves whole shards and a partial manifest: keep them, skip what they hold
-    # (one Features per usable sequence, in the order the data is read).
-    partial = work / "features.partial.json"
-    shards, tokens, done_items = [], 0, 0
-    if partial.is_file() and json.loads(partial.read_text()).get("key") == key:
-        kept = json.loads(partial.read_text())
-        shards, tokens, done_items = [work / n for n in kept["shards"]], kept["tokens"], kept["items"]
+    done_items = sum(sh["items"] for sh in shards)
     tok = target.tokenizer
     records = ({"messages": c} for c in sharegpt_conversations(s.conversations)) if s.data == "sharegpt" \
         else jsonl_records(s.data)
     progress.stage("features (target tokens)", s.max_tokens)
     if tokens:
-        progress.advance("features (target tokens)", 0, "resumed", done=tokens)
-    shard, batch, skip = [], [], done_items
+        progress.advance("features (target tokens)", tokens, "resumed", done=tokens)
     prompt_limit = max(16, s.seq_len - s.answer_tokens)
-
-    def flush(items):
-        nonlocal tokens, shard, done_items
-        for f in items:
-            shard.append(f)
-            tokens += len(f.ids)
-            done_items += 1
-            progress.advance("features (target tokens)", len(f.ids), done=tokens)
-        if len(shard) >= 64:
-            shards.append(_save_shard(work, len(shards), shard))
-            shard = []
-            partial.write_text(json.dumps({"key": key, "shards": [p.name for p in shards], "tokens": tokens,
-                                           "items": done_items}))
 
     def usable(rec) -> list[int] | Example | None:
         """The prompt (self-distilled) or the example this record gives, None if it gives none."""
@@ -196,6 +181,23 @@ def build_features(s: TrainSettings, target, taps, work: Path, progress: Progres
             return encode_prompt(tok, msgs[0]["content"], prompt_limit) if msgs else None
         return encode_conversation(tok, msgs, s.seq_len)
 
+    def save(items: list, found: int) -> None:
+        """One shard of the features of ``found`` usable records; the manifest follows it."""
+        nonlocal tokens
+        feats = text_features(target, [i for i in items if isinstance(i, Example)], taps)
+        # the target answers a shard's prompts in batches of similar lengths
+        prompts = sorted((i for i in items if not isinstance(i, Example)), key=len)
+        for i in range(0, len(prompts), DISTILL_BATCH):
+            feats += self_distilled_features(target, prompts[i : i + DISTILL_BATCH], taps, s.answer_tokens)
+        n = sum(len(f.ids) for f in feats)
+        path = work / f"features-{len(shards):04d}.pt"
+        torch.save([asdict(f) for f in feats], path)
+        shards.append({"name": path.name, "tokens": n, "items": found})
+        tokens += n
+        manifest.write_text(json.dumps({"key": key, "shards": shards}))
+        progress.advance("features (target tokens)", n, done=tokens)
+
+    pending, skip = [], done_items
     for rec in records:
         if tokens >= s.max_tokens:
             break
@@ -205,32 +207,36 @@ def build_features(s: TrainSettings, target, taps, work: Path, progress: Progres
         if skip:  # already in a kept shard
             skip -= 1
             continue
-        if isinstance(item, Example):
-            flush(text_features(target, [item], taps))
-            continue
-        batch.append(item)
-        if len(batch) == 16:  # the target answers 16 prompts at a time
-            flush(self_distilled_features(target, batch, taps, s.answer_tokens))
-            batch = []
-    if batch and tokens < s.max_tokens:
-        flush(self_distilled_features(target, batch, taps, s.answer_tokens))
-    if shard:
-        shards.append(_save_shard(work, len(shards), shard))
+        pending.append(item)
+        if len(pending) == SHARD_ITEMS:
+            save(pending, len(pending))
+            pending = []
+    if pending and tokens < s.max_tokens:
+        save(pending, len(pending))
+    exhausted = tokens < s.max_tokens
     if not shards:
         raise SpeculantError(f"no usable training sequences in {s.data!r} (all empty or longer than --seq-len)")
-    manifest.write_text(json.dumps({"key": key, "shards": [p.name for p in shards], "tokens": tokens}))
-    partial.unlink(missing_ok=True)
-    return shards
+    manifest.write_text(json.dumps({"key": key, "shards": shards, "exhausted": exhausted}))
+    return _prefix(work, shards, s.max_tokens)
+
+
+SHARD_ITEMS = 256  # records per shard (the unit of resuming)
+DISTILL_BATCH = 64  # prompts the target answers at once (batched decoding pays on a CPU too)
+
+
+def _prefix(work: Path, shards: list[dict], max_tokens: int) -> list[Path]:
+    """The first shards that together hold at least ``max_tokens`` tokens (all, if they hold fewer)."""
+    out, total = [], 0
+    for sh in shards:
+        if total >= max_tokens:
+            break
+        out.append(work / sh["name"])
+        total += sh["tokens"]
+    return out
 
 
 def _example(ids, loss_from):
     return Example(list(ids), loss_from)
-
-
-def _save_shard(work: Path, index: int, items: list[Features]) -> Path:
-    path = work / f"features-{index:04d}.pt"
-    torch.save([asdict(f) for f in items], path)
-    return path
 
 
 def load_features(shards: list[Path]) -> list[Features]:
@@ -266,7 +272,11 @@ class GreedyRuns:
         pick = logits.argmax(-1)
         if self.d2t is not None:
             pick = pick + self.d2t.to(pick.device)[pick]
-        match = (pick == labels).long()
+        self.add_picks(pick, labels)
+
+    def add_picks(self, pick: torch.Tensor, labels: torch.Tensor) -> None:
+        """The drafter's guesses as target ids [N, slots], the target's tokens [N, slots]."""
+        match = (pick.to(labels.device) == labels).long()
         run = match.cumprod(1).sum(1)
         self.runs += run.tolist()
         for j in range(match.shape[1]):
@@ -392,27 +402,33 @@ def _to_draft(d2t: torch.Tensor, vocab: int) -> torch.Tensor:
     return to_draft
 
 
-@torch.no_grad()
-def final_hidden_states(target, features: list[Features], work: Path, progress: Progress) -> None:
-    """Each sequence's final normed hidden states [T, H] (fp16) as ``f.final``: one target pass per
-    sequence over its cached text, cached in ``work`` beside the features."""
-    from ..models.backend import Backend
+NEEDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+         "rms_norm_eps")  # what the drafters' layers copy from the target's config
 
-    path = work / "final-hidden.pt"
-    if path.is_file():
-        finals = torch.load(path, weights_only=False)
-        if len(finals) == len(features) and all(len(x) == len(f.ids) for x, f in zip(finals, features)):
-            for f, x in zip(features, finals):
-                f.final = x
-            return
-    backend, n = Backend(target.model, "auto"), target.model.config.num_hidden_layers
-    progress.stage("final hidden states (sequences)", len(features))
-    for f in features:
-        state = backend.new_state(1, len(f.ids) + 8)
-        _, hidden = state.append(f.ids[None].to(target.device), taps=(n,))
-        f.final = hidden[0, :, 0].half().cpu()
-        progress.advance("final hidden states (sequences)", 1)
-    torch.save([f.final for f in features], path)
+
+def check_architecture(kind: str, model) -> None:
+    """A drafter kind needs a decoder-only target whose config describes Llama-like layers (the
+    drafter's layers copy their shape) and whose input/output embeddings it can share."""
+    cfg = model.config
+    missing = [k for k in NEEDS if getattr(cfg, k, None) is None]
+    if missing or model.get_output_embeddings() is None:
+        name = (getattr(cfg, "architectures", None) or [type(model).__name__])[0]
+        raise SpeculantError(f"--kind {kind} cannot be trained for a {name} target: its config lacks "
+                             f"{', '.join(missing) or 'an output embedding'} (speculant trains drafters for "
+                             "Llama-like decoders: Llama, Qwen, Mistral, Gemma, ...)")
+
+
+def feature_dtype(dtype: str, device: str | None) -> str:
+    """The target's dtype while building features: ``auto`` is bfloat16 on a GPU or a CPU with
+    native bf16 matmuls (AVX512-BF16 / AMX: several times faster there), else float32."""
+    if dtype != "auto":
+        return dtype
+    from ..models.loading import resolve_device
+
+    if resolve_device(device).type == "cuda":
+        return "bfloat16"
+    native = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    return "bfloat16" if native() else "float32"
 
 
 def run_train(s: TrainSettings, progress_bar: bool = True, log=print) -> dict:
@@ -422,8 +438,9 @@ def run_train(s: TrainSettings, progress_bar: bool = True, log=print) -> dict:
     t0 = time.time()
     torch.manual_seed(s.seed)
     rng = random.Random(s.seed)
-    target = load_model(s.target, device=s.device, dtype="float32")
+    target = load_model(s.target, device=s.device, dtype=feature_dtype(s.dtype, s.device))
     model = target.model
+    check_architecture(s.kind, model)
     model.requires_grad_(False)  # the target (its embeddings and LM head included) stays frozen
     n_layers = model.config.num_hidden_layers
     taps = s.taps or default_taps(n_layers)
@@ -433,10 +450,14 @@ def run_train(s: TrainSettings, progress_bar: bool = True, log=print) -> dict:
     work = Path(s.work) if s.work else out.parent / f"{out.name}.work"
     progress = Progress(progress_bar)
     try:
-        shards = build_features(s, target, taps, work, progress)
-        features = load_features(shards)
-        if s.kind == "medusa":  # the heads read the final normed state: one more target pass per sequence
-            final_hidden_states(target, features, work, progress)
+        # one target pass records the drafter's taps and the final normed state (Medusa's input,
+        # the distillation targets), for every kind alike, so kinds share one cache
+        feature_taps = sorted(set(taps) | {n_layers})
+        features = load_features(build_features(s, target, feature_taps, work, progress))
+        for f in features:
+            f.final = f.hidden[:, feature_taps.index(n_layers)]
+            f.hidden = f.hidden[:, [feature_taps.index(t) for t in taps]]
+        model.float()  # the drafter trains in float32 beside the target's frozen embeddings and LM head
         rng.shuffle(features)
         held = features[: min(s.eval_sequences, max(1, len(features) // 10))]
         train = features[len(held):] or features
@@ -444,22 +465,7 @@ def run_train(s: TrainSettings, progress_bar: bool = True, log=print) -> dict:
         d2t, t2d = draft_vocabulary(train, s.draft_vocab, vocab)
         draft_size = s.draft_vocab if d2t is not None else vocab
         head = model.get_output_embeddings()
-        if s.kind == "dflash":
-            cfg = dflash_config(model, str(_verifier_path(s.target)), s.layers, taps, s.block_size,
-                                pick_mask_token(target.tokenizer, vocab), draft_size)
-            net = DFlashNet(cfg).to(target.device)
-            trainer = DFlashTrainer(net, model.get_input_embeddings(), head, vocab, s.anchors)
-        else:
-            cfg = medusa_config(model, str(_verifier_path(s.target)), s.heads, s.layers, draft_size)
-            net = MedusaNet(cfg).to(target.device)
-        if d2t is not None:
-            net.d2t.copy_(d2t)
-            net.t2d.copy_(t2d)
-        if s.kind == "medusa":
-            if d2t is not None:  # the draft head starts as the target's own rows for those tokens
-                with torch.no_grad():
-                    net.lm_head.weight.copy_(head.weight[torch.arange(len(d2t)) + d2t])
-            trainer = MedusaTrainer(net, head, vocab)
+        cfg, net, trainer = _network(s, target, taps, draft_size, d2t, t2d)
         params = [p for p in net.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=0.0, betas=(0.9, 0.95))
         total = s.steps or max(1, math.ceil(s.epochs * len(train) / s.batch))
@@ -518,6 +524,42 @@ def run_train(s: TrainSettings, progress_bar: bool = True, log=print) -> dict:
     log(f"speculant train: wrote {out} ({summary['parameters'] / 1e6:.1f} M parameters); held-out τ "
         f"{metrics['tau']:.2f}, α by slot {metrics['alpha_by_slot']} in {summary['seconds'] / 60:.1f} min")
     return summary
+
+
+def _network(s: TrainSettings, target, taps: list[int], draft_size: int, d2t, t2d):
+    """(config, network, trainer) of the kind to train. The draft-vocabulary LM head starts as the
+    target's own rows for those tokens (Medusa, EAGLE), EAGLE's final norm as the target's."""
+    model = target.model
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    head, name = model.get_output_embeddings(), str(_verifier_path(s.target))
+    if s.kind == "dflash":
+        cfg = dflash_config(model, name, s.layers, taps, s.block_size, pick_mask_token(target.tokenizer, vocab),
+                            draft_size)
+        net = DFlashNet(cfg)
+    elif s.kind == "eagle":
+        cfg = eagle_config(model, name, taps, draft_size, s.ttt_steps, s.layers)
+        net = EagleNet(cfg)
+    else:
+        cfg = medusa_config(model, name, s.heads, s.layers, draft_size)
+        net = MedusaNet(cfg)
+    net = net.to(target.device)
+    with torch.no_grad():
+        if d2t is not None:
+            net.d2t.copy_(d2t)
+            net.t2d.copy_(t2d)
+        if s.kind in ("eagle", "medusa") and net.lm_head is not None:
+            rows = torch.arange(net.lm_head.weight.shape[0]) + (d2t if d2t is not None else 0)
+            net.lm_head.weight.copy_(head.weight[rows])
+        final_norm = getattr(getattr(model, "model", None), "norm", None)
+        if s.kind == "eagle" and final_norm is not None:  # its effective scale, whatever its convention (Gemma: 1 + w)
+            net.norm.weight.copy_(final_norm(torch.ones(1, net.norm.weight.shape[0])).squeeze(0).float())
+    if s.kind == "dflash":
+        trainer = DFlashTrainer(net, model.get_input_embeddings(), head, vocab, s.anchors)
+    elif s.kind == "eagle":
+        trainer = EagleTrainer(net, model.get_input_embeddings(), head, s.ttt_steps)
+    else:
+        trainer = MedusaTrainer(net, head, vocab)
+    return cfg, net, trainer
 
 
 def _verifier_path(spec: str) -> Path:

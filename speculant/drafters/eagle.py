@@ -1,0 +1,195 @@
+"""``eagle:DIR``: a trained EAGLE-3 head drafts a token tree over the target's own features (EAGLE-2's
+dynamic tree).
+
+The verify pass hands over the tapped hidden states of every token the target cached; paired with
+the token that followed each (the accepted drafts and the target's own next token) they are the
+head's input, fed once into its own KV cache at the start of the next proposal ("catch-up"). The
+last pair's output state drafts the tree:
+
+- depth 1: the head's ``TOP_K`` most probable tokens after the target's next token;
+- each further depth expands the ``BEAM`` most probable nodes of the depth before (a node's score
+  is the product of the head's probabilities along its path) in ONE forward of the head: each
+  expanded node reads its own token and its parent's output state, attends to the accepted text
+  and to its ancestors only, and offers its ``TOP_K`` most probable children;
+- all nodes are ranked by score and listed best first (a child never outranks its parent), so any
+  prefix is a tree and the engine keeps the nodes worth verifying.
+
+The tree is a deterministic function of the accepted text (q one-hot), so greedy and sampled
+verification both stay exact. Draft K/V live after the accepted text's and are overwritten by the
+next catch-up: rolling back is moving a length.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..trained.eagle import EagleNet
+from ..trained.format import default_taps, load_network
+from .base import DraftContext, Drafter, Proposal
+
+TOP_K = 8  # children offered per expanded node
+BEAM = 6  # nodes expanded per depth
+DEPTH = 6  # deepest draft
+MIN_SCORE = 0.02  # stop deepening once no node of a depth is this likely
+
+
+def load_eagle(folder: str, target: torch.nn.Module, target_name: str, dtype=None) -> "EagleDrafter":
+    from safetensors import safe_open
+
+    with safe_open(str(Path(folder) / "model.safetensors"), "pt") as f:
+        own_embeddings = "embed_tokens.weight" in f.keys()
+
+    def build(cfg: dict) -> EagleNet:  # speculators may leave the tapped layers to the target's depth
+        taps = cfg.get("eagle_aux_hidden_state_layer_ids") or default_taps(target.config.num_hidden_layers)
+        return EagleNet({**cfg, "eagle_aux_hidden_state_layer_ids": taps}, own_embeddings)
+
+    net = load_network(folder, target, target_name, build, "an EAGLE-3 network", dtype)
+    return EagleDrafter(net, target, label=str(folder))
+
+
+class EagleDrafter(Drafter):
+    name = "eagle"
+    makes_trees = True
+    block_drafts = True  # a proposal costs a few forwards of one layer, whatever the tree's size
+
+    def __init__(self, net: EagleNet, target: torch.nn.Module, label: str = "eagle"):
+        self.net, self.label = net, label
+        self.embed = net.embed_tokens if net.embed_tokens is not None else target.get_input_embeddings()
+        self.hidden_layers = net.taps
+        self.vocab = int(target.get_output_embeddings().weight.shape[0])
+
+    def describe(self) -> str:
+        return f"eagle:{self.label}"
+
+    def start(self, ctx: DraftContext) -> None:
+        self.ctx = ctx
+        B, dev, net = len(ctx.prompts), ctx.device, self.net
+        self.spare = (ctx.max_tokens or max(len(p) for p in ctx.prompts) + 4096) + (DEPTH - 1) * BEAM
+        attn = net.layers[0].self_attn
+        shape = (B, attn.kv_heads, self.spare + 1, attn.head_dim)  # slot `spare`: where padding is written
+        self.keys = [torch.zeros(shape, dtype=net.dtype, device=dev) for _ in net.layers]
+        self.values = [torch.zeros(shape, dtype=net.dtype, device=dev) for _ in net.layers]
+        self.lengths = torch.zeros(B, dtype=torch.long, device=dev)
+        # per row: (target features, next token) pairs not yet fed, and features still waiting
+        # for the token after them (the last prompt token's: the target's first token)
+        self.unfed = [(h[:-1], list(p[1:])) for h, p in zip(ctx.prompt_hidden, ctx.prompts)]
+        self.waiting = [h[-1:] for h in ctx.prompt_hidden]
+
+    def observe_hidden(self, hidden: list[torch.Tensor]) -> None:
+        self.waiting = [torch.cat([w, h]) for w, h in zip(self.waiting, hidden)]
+
+    def update(self, new_tokens, n_accepted) -> None:
+        unfed = []
+        for (feats, toks), waiting, new in zip(self.unfed, self.waiting, new_tokens):
+            k = min(len(new), waiting.shape[0])
+            unfed.append((torch.cat([feats, waiting[:k]]), toks + list(new[:k])))
+        self.unfed = unfed
+        self.waiting = [w[min(len(new), w.shape[0]):] for w, new in zip(self.waiting, new_tokens)]
+
+    def select(self, rows) -> None:
+        idx = torch.tensor(rows, dtype=torch.long, device=self.ctx.device)
+        self.keys = [k[idx] for k in self.keys]
+        self.values = [v[idx] for v in self.values]
+        self.lengths = self.lengths[idx]
+        self.unfed = [self.unfed[r] for r in rows]
+        self.waiting = [self.waiting[r] for r in rows]
+
+    def _kv(self, layer: int, slots: torch.Tensor, width: int):
+        """Layer ``layer``'s keys/values callback: write the new k/v at ``slots`` [B, T], attend
+        over the first ``width`` slots."""
+        rows = torch.arange(slots.shape[0], device=slots.device)[:, None].expand_as(slots)
+
+        def kv(k, v):
+            self.keys[layer].transpose(1, 2).index_put_((rows, slots), k.transpose(1, 2))
+            self.values[layer].transpose(1, 2).index_put_((rows, slots), v.transpose(1, 2))
+            return self.keys[layer][:, :, :width], self.values[layer][:, :, :width]
+        return kv
+
+    def _catch_up(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed every row's unfed pairs; returns each row's last output state [B, H] and the draft
+        vocabulary log-probabilities after it [B, Vd]."""
+        net, dev = self.net, self.ctx.device
+        counts = torch.tensor([len(t) for _, t in self.unfed], device=dev)
+        W = max(int(counts.max()), 1)
+        B = len(self.unfed)
+        feats = torch.zeros(B, W, *self.unfed[0][0].shape[1:], dtype=net.dtype, device=dev)
+        tokens = torch.zeros(B, W, dtype=torch.long, device=dev)
+        for b, (f, t) in enumerate(self.unfed):
+            if t:
+                feats[b, : len(t)] = f.to(dev, net.dtype)
+                tokens[b, : len(t)] = torch.tensor(t, device=dev)
+        steps = torch.arange(W, device=dev)[None]
+        real = steps < counts[:, None]
+        positions = self.lengths[:, None] + steps
+        slots = torch.where(real, positions, self.spare)
+        width = int(self.lengths.max()) + W
+        mask = (torch.arange(width, device=dev)[None, None] <= positions[:, :, None])[:, None]
+        state, normed = net.step(self.embed(tokens), net.features(feats), positions,
+                                 [self._kv(i, slots, width) for i in range(len(net.layers))], mask)
+        last = (counts - 1).clamp_min(0)
+        pick = torch.arange(B, device=dev)
+        self.lengths = self.lengths + counts
+        self.unfed = [(f[:0], []) for f, _ in self.unfed]
+        return state[pick, last], self._logprobs(normed[pick, last])
+
+    def _logprobs(self, normed: torch.Tensor) -> torch.Tensor:
+        logits = self.net.lm_head(normed).float()
+        ids = self.net.target_ids(torch.arange(logits.shape[-1], device=logits.device))
+        return logits.masked_fill(ids >= self.vocab, float("-inf")).log_softmax(-1)
+
+    @torch.no_grad()
+    def propose(self, gamma: int) -> Proposal:
+        net, dev = self.net, self.ctx.device
+        root_state, logp = self._catch_up()
+        B, k = root_state.shape[0], min(TOP_K, logp.shape[-1])
+        # candidates of all depths, per row: draft-vocabulary token, cumulative log-prob, parent
+        # (candidate index, -1 under the root), depth; expanded ones also own an expansion slot
+        score, tok = logp.topk(k, -1)
+        parent = torch.full((B, k), -1, dtype=torch.long, device=dev)
+        depth = torch.ones(B, k, dtype=torch.long, device=dev)
+        E = (DEPTH - 1) * BEAM
+        seen = torch.zeros(B, k, E, dtype=torch.bool, device=dev)  # expansion slots each candidate attends to
+        base = self.lengths  # expansion slot e lives at cache slot base + e
+        states = root_state[:, None].expand(B, k, -1)  # the state each depth-1 candidate reads
+        first, rows = 0, torch.arange(B, device=dev)[:, None]
+        for d in range(1, min(DEPTH, max(gamma, 1))):
+            level = slice(first, score.shape[1])
+            if float(score[:, level].max().exp()) < MIN_SCORE:
+                break
+            w = min(BEAM, level.stop - level.start)
+            pick = score[:, level].topk(w, -1).indices + first  # [B, w] candidates to expand
+            e = torch.arange((d - 1) * BEAM, (d - 1) * BEAM + w, device=dev)
+            own = seen[rows, pick] | torch.nn.functional.one_hot(e, E).bool()[None]  # [B, w, E]
+            slots = base[:, None] + e[None]
+            width = int(base.max()) + E
+            cache = torch.arange(width, device=dev)[None, None]
+            rel = cache - base[:, None, None]
+            mask = (rel < 0) | own.gather(2, rel.clamp(0, E - 1).expand(B, w, width)) & (rel < E)
+            parent_states = states.gather(1, (pick - first)[..., None].expand(-1, -1, states.shape[-1]))
+            out, normed = net.step(self.embed(net.target_ids(tok[rows, pick])), parent_states,
+                                   (base - 1)[:, None] + d, [self._kv(i, slots, width) for i in range(len(net.layers))],
+                                   mask[:, None])
+            child_lp, child_tok = self._logprobs(normed).topk(k, -1)  # [B, w, k]
+            first = score.shape[1]
+            score = torch.cat([score, (score[rows, pick][..., None] + child_lp).flatten(1)], 1)
+            tok = torch.cat([tok, child_tok.flatten(1)], 1)
+            parent = torch.cat([parent, pick[..., None].expand(-1, -1, k).flatten(1)], 1)
+            depth = torch.cat([depth, torch.full((B, w * k), d + 1, dtype=torch.long, device=dev)], 1)
+            seen = torch.cat([seen, own[:, :, None].expand(-1, -1, k, -1).flatten(1, 2)], 1)
+            states = out[:, :, None].expand(-1, -1, k, -1).flatten(1, 2)
+        return self._best_first(tok, score, parent, depth, max(gamma, 1))
+
+    def _best_first(self, tok, score, parent, depth, budget: int) -> Proposal:
+        """The ``budget`` best candidates by score, parents first, as a tree Proposal."""
+        B, C = tok.shape
+        n = min(budget, C)
+        key = score.double() - depth.double() * 1e-9  # ties: the shallower first (a parent before its child)
+        order = key.argsort(-1, descending=True)[:, :n]  # [B, n]
+        position = torch.full((B, C), -1, dtype=torch.long, device=tok.device)
+        position.scatter_(1, order, torch.arange(n, device=tok.device)[None].expand(B, -1))
+        par = parent.gather(1, order)
+        parents = torch.where(par >= 0, position.gather(1, par.clamp_min(0)), par)
+        tokens = self.net.target_ids(tok.gather(1, order))
+        lengths = torch.full((B,), n, dtype=torch.long, device=tok.device)
+        return Proposal(tokens, lengths, None, parents, score.gather(1, order).exp())

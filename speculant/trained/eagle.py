@@ -1,0 +1,211 @@
+"""The EAGLE-3 drafter network (Li et al. 2025), as speculators defines it (``speculators_model_type:
+"eagle3"``), and its training with training-time test.
+
+One decoder layer drafts autoregressively over the target's own features. The target's hidden
+states at a low, a middle and a high layer (concatenated, normed, projected by ``fc``) describe
+position t; with the embedding of token t+1 they are the drafter's input there, and its output
+predicts token t+2. The drafter keeps its own KV cache over the accepted text; each further draft
+step feeds the drafter's own output state back with the token it just drafted (the target's
+features exist only for text the target has verified). Training-time test (EAGLE-3) trains exactly
+that: step k of a training sequence feeds step k-1's output states, and its queries attend to the
+target-feature keys before them and to their own earlier steps' keys.
+
+Parameter names are speculators' (``input_norm`` for norm_before_fc, ``fc``, ``layers.0`` with a
+``hidden_norm`` and q/k/v reading [embedding, hidden] (twice the width), ``norm``, ``lm_head`` over
+the draft vocabulary, buffers ``d2t``/``t2d``); token embeddings are the target's and not stored.
+speculators loads a folder saved here and vLLM serves it (``"method": "eagle3"``).
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .blocks import Layer, RMSNorm, inv_freq
+
+
+class EagleFirstLayer(Layer):
+    """The first layer reads [token embedding, hidden state]: each half normed on its own; the
+    residual stream carries the hidden state (normed first with ``norm_before_residual``)."""
+
+    def __init__(self, cfg: dict, norm_before_residual: bool):
+        super().__init__(cfg, in_dim=2 * cfg["hidden_size"])
+        self.hidden_norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
+        self.norm_before_residual = norm_before_residual
+
+    def forward(self, x, positions, inv_freq, kv, mask):
+        embeds, hidden = x.chunk(2, -1)
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        attn_in = torch.cat([self.input_layernorm(embeds), normed], -1)
+        h = residual + self.self_attn(attn_in, positions, inv_freq, kv, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class EagleNet(nn.Module):
+    """``cfg``: the speculators Eagle3 config dict."""
+
+    def __init__(self, cfg: dict, own_embeddings: bool = False):
+        super().__init__()
+        tl = cfg["transformer_layer_config"]
+        H, eps = tl["hidden_size"], tl.get("rms_norm_eps", 1e-6)
+        target_hidden = cfg.get("target_hidden_size") or H
+        self.taps = tuple(cfg["eagle_aux_hidden_state_layer_ids"])
+        width = len(self.taps) * target_hidden
+        self.norm_output = bool(cfg.get("norm_output", False))
+        self.input_norm = RMSNorm(width, eps) if cfg.get("norm_before_fc") else None
+        self.fc_norm = nn.ModuleList(RMSNorm(target_hidden, eps) for _ in self.taps) if cfg.get("fc_norm") else None
+        self.fc = nn.Linear(width, H, bias=False)
+        self.layers = nn.ModuleList([EagleFirstLayer(tl, bool(cfg.get("norm_before_residual")))] +
+                                    [Layer(tl) for _ in range(1, tl["num_hidden_layers"])])
+        self.norm = RMSNorm(H, eps)
+        self.register_buffer("inv_freq", inv_freq(tl), persistent=False)
+        vocab, draft_vocab = tl["vocab_size"], cfg.get("draft_vocab_size") or tl["vocab_size"]
+        # token embeddings: the target's, unless the folder stores its own (speculators saves them)
+        self.embed_tokens = nn.Embedding(vocab, H) if own_embeddings else None
+        self.draft_vocab = draft_vocab != vocab
+        self.lm_head = nn.Linear(H, draft_vocab, bias=False)
+        # draft id i is target id i + d2t[i] (speculators' convention); t2d marks the kept target ids
+        self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long) if self.draft_vocab else None)
+        self.register_buffer("t2d", torch.zeros(vocab, dtype=torch.bool) if self.draft_vocab else None)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def features(self, aux: torch.Tensor) -> torch.Tensor:
+        """The target's tapped hidden states [.., len(taps), Ht] -> the drafter's input states [.., H]."""
+        x = aux.to(self.dtype)
+        if self.fc_norm is not None:
+            x = torch.stack([norm(x[..., i, :]) for i, norm in enumerate(self.fc_norm)], -2)
+        x = x.flatten(-2)
+        return self.fc(self.input_norm(x) if self.input_norm is not None else x)
+
+    def step(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, kvs, mask: torch.Tensor):
+        """One drafting step for embeds, hidden [B, T, H] at positions [B, T]; ``kvs[l](k, v)`` gives
+        layer l's keys/values to attend to (mask [B, 1, T, S]). Returns (the state the next step
+        reads, the normed state the LM head reads)."""
+        h = torch.cat([embeds.to(self.dtype), hidden], -1)
+        for layer, kv in zip(self.layers, kvs):
+            h = layer(h, positions, self.inv_freq, kv, mask)
+        normed = self.norm(h)
+        return (normed if self.norm_output else h), normed
+
+    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary indices -> the target's token ids."""
+        return draft_ids + self.d2t[draft_ids] if self.draft_vocab else draft_ids
+
+
+def eagle_config(target: nn.Module, target_name: str, taps: list[int], draft_vocab_size: int, steps: int,
+                 layers: int = 1) -> dict:
+    """A speculators Eagle3 config for ``target``: Llama decoder layers of its width and rope, the
+    EAGLE-3.1 normalisation choices speculators trains with (norm before fc, before the residual,
+    and on the state fed back), tapped layer ids, the draft vocabulary."""
+    from .format import SPECULATORS_VERSION, layer_config, speculators_config, target_fingerprint
+
+    layer_cfg = layer_config(target, layers, "llama")
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": layer_cfg,
+        "draft_vocab_size": draft_vocab_size or layer_cfg["vocab_size"],
+        "norm_before_residual": True,
+        "norm_before_fc": True,
+        "fc_norm": False,
+        "norm_output": True,
+        "embed_requires_grad": False,
+        "target_hidden_size": target.config.hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(taps),
+        "tie_word_embeddings": False,
+        "speculators_config": speculators_config("eagle3", steps, target, target_name),
+        "speculant_target": target_fingerprint(target),
+    }
+
+
+class EagleTrainer:
+    """Training-time test on cached features (speculators' Eagle3 recipe, one sequence at a time).
+
+    Row i of a sequence is the pair (target features at position i, token i+1), at position i+1.
+    Step 0 reads the target's features; step k reads step k-1's output state and token i+1+k (the
+    text's own, i.e. the target's greedy choice in self-distilled data), at position i+1+k; its
+    queries see step 0's keys up to row i and their own row's keys of steps 1..k. Each step's
+    output at row i is judged against the target's distribution at position i+1+k over the draft
+    vocabulary (forward KL), weighted ``decay``^k; answer rows only."""
+
+    def __init__(self, net: EagleNet, embed: nn.Module, target_head: nn.Module, steps: int = 3,
+                 decay: float = 1.0, eval_steps: int = 6):
+        self.net, self.embed, self.steps, self.decay, self.eval_steps = net, embed, steps, decay, eval_steps
+        rows = torch.arange(net.lm_head.weight.shape[0])
+        rows = net.target_ids(rows.to(net.lm_head.weight.device))
+        self.target_rows = target_head.weight.detach()[rows]  # the target's LM head, draft vocabulary only
+
+    def _run(self, f, steps: int, own_tokens: bool):
+        """Per step k: draft logits [n, Vd] of every row (row i: prediction of token i+2+k)."""
+        net, dev = self.net, self.net.fc.weight.device
+        ids = f.ids.to(dev)
+        n = len(ids) - 1
+        hidden = net.features(f.hidden[:-1].to(dev))[None]  # [1, n, H]
+        positions = torch.arange(1, n + 1, device=dev)[None]
+        keys = [[] for _ in net.layers]
+        values = [[] for _ in net.layers]
+
+        def joined(layer):
+            def kv(k, v):
+                keys[layer].append(k)
+                values[layer].append(v)
+                return torch.cat(keys[layer], 2), torch.cat(values[layer], 2)
+            return kv
+
+        causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
+        own = torch.eye(n, dtype=torch.bool, device=dev)
+        tokens, out = ids[1:], []
+        for k in range(steps):
+            mask = torch.cat([causal] + [own] * k, 1)[None, None]
+            hidden, normed = net.step(self.embed(tokens)[None], hidden, positions + k, [joined(i) for i in
+                                                                                       range(len(net.layers))], mask)
+            logits = net.lm_head(normed)[0].float()
+            out.append(logits)
+            if own_tokens:  # evaluation: feed its own guesses, as drafting does
+                tokens = net.target_ids(logits.argmax(-1))
+            else:  # training: the text's next tokens (row i: token i+2+k), past the end a filler
+                tokens = torch.cat([ids[2 + k :], ids.new_zeros(k + 1)])
+        return out
+
+    def loss(self, f, rng: random.Random):
+        n = len(f.ids) - 1
+        first = max(f.loss_from - 1, 0)
+        if n - first < 1:
+            return None, 0
+        dev = self.net.fc.weight.device
+        with torch.no_grad():
+            target_logp = (f.final[1:].to(dev).to(self.target_rows.dtype) @ self.target_rows.T).float().log_softmax(-1)
+        total, weight = 0.0, 0.0
+        for k, logits in enumerate(self._run(f, self.steps, own_tokens=False)):
+            rows = slice(first, n - k)  # rows with an answer token to predict
+            if rows.stop <= rows.start:
+                break
+            kl = F.kl_div(logits[rows].log_softmax(-1), target_logp[first + k : n], log_target=True,
+                          reduction="none").sum(-1)
+            total = total + self.decay ** k * kl.mean()
+            weight += self.decay ** k
+        return total / weight, n - first
+
+    @torch.no_grad()
+    def evaluate(self, features, rng: random.Random) -> dict:
+        """Greedy chain acceptance on held-out sequences: each answer row drafts ``eval_steps``
+        tokens feeding its own guesses; α per step, τ = 1 + mean accepted run."""
+        from .train import GreedyRuns
+
+        runs = GreedyRuns(self.eval_steps, None)
+        for f in features:
+            n, first = len(f.ids) - 1, max(f.loss_from - 1, 0)
+            last = n - self.eval_steps  # rows whose every step has a target token
+            if last <= first:
+                continue
+            picks = torch.stack([self.net.target_ids(x.argmax(-1)) for x in self._run(f, self.eval_steps, True)], 1)
+            at = torch.arange(first, last + 1)[:, None] + 1 + torch.arange(self.eval_steps)[None]
+            runs.add_picks(picks[first : last + 1].cpu(), f.labels[at])
+        return runs.result("rows")
