@@ -346,8 +346,19 @@ class StaticKVState:
         self.ptr = start + 1 + n
 
     def select(self, rows: torch.Tensor) -> None:
-        self.keys = [k[rows] for k in self.keys]
-        self.values = [v[rows] for v in self.values]
+        order = rows.tolist()
+        if order == sorted(order):
+            # keep the rows in place, moved up over the dropped ones: no new cache (a copy of every
+            # layer's whole cache per finished row made batched decoding spend its time in the kernel)
+            for i, r in enumerate(order):
+                if r != i:  # r > i: read before any write reaches it
+                    for cache in (*self.keys, *self.values):
+                        cache[i].copy_(cache[r])
+            n = len(order)
+            self.keys, self.values = [k[:n] for k in self.keys], [v[:n] for v in self.values]
+        else:
+            self.keys = [k[rows] for k in self.keys]
+            self.values = [v[rows] for v in self.values]
         self.ptr = self.ptr[rows]
 
     def valid_kv(self, row: int, layer: int = 0):
