@@ -6,7 +6,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from .drafters import Drafter, ModelDrafter, make_drafter, validate_drafter_spec
+from .drafters import Drafter, ModelDrafter, default_drafter, make_drafter, validate_drafter_spec
 from .engine import Engine, Request, Row
 from .errors import SpeculantError
 from .models.backend import PATHS, Backend
@@ -15,7 +15,6 @@ from .models.loading import LoadedModel, load_model, resolve_device
 from .sampling import SamplingParams
 
 GAMMA_AUTO = "auto"  # the default: chosen each pass from measured acceptance and costs (controller.py)
-DEFAULT_DRAFTER = "ngram"  # for the default target, until a trained drafter ships
 
 
 @dataclass
@@ -237,7 +236,8 @@ class TextStream:
 
 def load(target: str = "default", drafter: str | Drafter | None = None, gamma: int | str | None = None,
          device: str | None = None, dtype: str | None = None, path: str = "auto", compile: bool = False) -> Generator:
-    """Load a target ("default" | model folder | .gguf) and a drafter ("none" | "ngram" | "model:PATH").
+    """Load a target ("default" | model folder | .gguf) and a drafter (see drafters.DRAFTER_HELP; None:
+    the trained drafter shipped for the target, if one ships, else "ngram").
 
     dtype: "auto" (default): bfloat16 on CUDA; on a CPU the dtype and path that measure fastest on
     this machine among the exact ones (models/cpu_choice.py: measured once, cached).
@@ -248,14 +248,15 @@ def load(target: str = "default", drafter: str | Drafter | None = None, gamma: i
         raise SpeculantError(f"unknown path {path!r}: use one of {', '.join(PATHS)}")
     if gamma is not None:
         check_gamma(gamma)
-    validate_drafter_spec(drafter or DEFAULT_DRAFTER)  # bad input fails before any model work
+    if drafter is not None:
+        validate_drafter_spec(drafter)  # bad input fails before any model work
     dev = resolve_device(device)
     choice = None
     if dev.type == "cpu" and dtype in (None, "", "auto"):
         choice = choose_cpu_dtype(target)
         dtype = choice.dtype
     tgt = load_model(target, device=dev, dtype=dtype)
-    d = make_drafter(drafter or DEFAULT_DRAFTER, tgt)
+    d = make_drafter(drafter if drafter is not None else default_drafter(tgt), tgt)
     gen = Generator(tgt, d, gamma, path, compile)
     if choice is not None:
         gen.backend.dtype_choice = choice.describe()

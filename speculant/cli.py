@@ -53,13 +53,15 @@ def sampling_from_args(args) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     from .drafters import DRAFTER_HELP
 
+    drafter_help = f"{DRAFTER_HELP}; default: the trained drafter shipped for the target, else ngram"
+
     parser = argparse.ArgumentParser(prog="speculant", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for one prompt", description="Generate text for PROMPT.")
     g.add_argument("prompt")
     g.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct), a model folder, or a .gguf file")
-    g.add_argument("--drafter", default=None, help=f"{DRAFTER_HELP}; default: ngram")
+    g.add_argument("--drafter", default=None, help=drafter_help)
     g.add_argument("--gamma", type=_gamma_arg, default=None, help="draft tokens per target pass, or 'auto' (default: chosen each pass from measured acceptance and costs)")
     g.add_argument("--max-new-tokens", type=int, default=128)
     add_sampling_args(g)
@@ -92,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(a Kolmogorov-Smirnov test of their probability-integral transforms). "
                                    "Exit code 1 if a check fails.")
     c.add_argument("--target", default="default", help="'default', a model folder, or a .gguf file")
-    c.add_argument("--drafter", default=None, help=f"{DRAFTER_HELP}; default: ngram")
+    c.add_argument("--drafter", default=None, help=drafter_help)
     c.add_argument("--prompts", default=None, metavar="FILE", help="one prompt a line, or JSONL with a \"prompt\" "
                    "field (default: 4 built-in prompts); the sampling check uses the first")
     c.add_argument("--samples", type=int, default=400, help="sampled continuations for the distribution check")
@@ -163,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(streaming or not), /v1/models, /health, /metrics and a playground page at /. "
                                    "Needs the serve extra: pip install \"speculant[serve]\".")
     v.add_argument("--target", default="default", help="'default', a model folder, or a .gguf file")
-    v.add_argument("--drafter", default=None, help=f"{DRAFTER_HELP}; default: ngram")
+    v.add_argument("--drafter", default=None, help=drafter_help)
     v.add_argument("--gamma", type=_gamma_arg, default=None, help="draft tokens per pass, or 'auto' (default)")
     v.add_argument("--model-name", default=None, help="the model id clients send (default: the --target value)")
     v.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
@@ -306,7 +308,8 @@ def cmd_serve(args) -> int:
         raise SpeculantError("--max-batch-size, --max-queue and --request-timeout must be positive")
     if args.gamma is not None:
         check_gamma(args.gamma)
-    validate_drafter_spec(args.drafter or "ngram")
+    if args.drafter is not None:
+        validate_drafter_spec(args.drafter)
     gen = load(args.target, drafter=args.drafter, gamma=args.gamma, device=args.device, dtype=args.dtype,
                path=args.path, compile=args.compile)
     app = create_app(gen, args.model_name or args.target, args.api_key, args.max_batch_size, args.max_queue,

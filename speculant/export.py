@@ -31,14 +31,14 @@ def vllm_config(drafter: str, gamma: int | str | None = None) -> dict:
     if drafter.startswith(("medusa:", "trained:")) and _kind(drafter) == "medusa":
         raise SpeculantError("vLLM's Medusa format gives every head its own LM head and has no draft vocabulary; "
                              "speculant's medusa folders share one: export ngram, suffix, dflash:DIR or eagle:DIR instead")
-    if drafter.startswith(("dflash:", "eagle:", "trained:")) or drafter == "dflash":
-        from .trained.format import read_config, shipped_drafters
+    if drafter.startswith(("dflash:", "eagle:", "trained:")) or drafter in ("dflash", "eagle"):
+        from .trained.format import drafter_kind, read_config, shipped_drafters
 
         folder = drafter.split(":", 1)[1] if ":" in drafter else None
         if folder is None:
-            found = [f for f in shipped_drafters() if read_config(f)["speculators_model_type"] == "dflash"]
+            found = [f for f in shipped_drafters() if drafter_kind(read_config(f)) == drafter]
             if not found:
-                raise SpeculantError("no DFlash drafter ships with speculant: give --drafter dflash:DIR")
+                raise SpeculantError(f"no {drafter} drafter ships with speculant: give --drafter {drafter}:DIR")
             folder = str(found[0])
         cfg = read_config(folder)
         if cfg["speculators_model_type"] == "eagle3":  # vLLM drafts a chain of N tokens with it

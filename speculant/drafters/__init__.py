@@ -12,8 +12,9 @@ from .none import NoDrafter
 from .suffix import SuffixDrafter
 
 TRAINED = ("dflash:", "eagle:", "medusa:", "trained:")  # a trained drafter's folder follows the colon
+SHIPPED = ("eagle", "dflash", "medusa")  # the drafter of that kind shipped inside the package for the target
 DRAFTER_HELP = (
-    "none | ngram | ngram:tree | suffix | suffix:arctic | dflash (the shipped one) | dflash:DIR | eagle:DIR | medusa:DIR | trained:DIR | model:PATH (PATH: a model folder, a .gguf file, or 'default'; another tokenizer works "
+    "none | ngram | ngram:tree | suffix | suffix:arctic | eagle | dflash | medusa (the one shipped for the target) | eagle:DIR | dflash:DIR | medusa:DIR | trained:DIR | model:PATH (PATH: a model folder, a .gguf file, or 'default'; another tokenizer works "
     "through text) | layerskip[:FILE.json|:A-B:STEP] | cascade:A,B (A: ngram or model:PATH, B: model:PATH or layerskip)"
 )
 
@@ -51,7 +52,7 @@ def validate_drafter_spec(spec) -> None:
         return
     if not isinstance(spec, str) or not spec:
         raise SpeculantError(f"unknown drafter {spec!r}: use {DRAFTER_HELP}")
-    if spec in ("none", "ngram", "ngram:tree", "suffix", "dflash"):  # dflash: the shipped one, if any
+    if spec in ("none", "ngram", "ngram:tree", "suffix", *SHIPPED):  # a bare kind: the one shipped for the target
         return
     if spec == "suffix:arctic":
         from .arctic_suffix import HOW_TO, available
@@ -109,6 +110,15 @@ def load_trained(folder: str, target) -> Drafter:
     return load_dflash(folder, target.model, target.name)
 
 
+def default_drafter(target) -> str:
+    """The drafter a target gets when none is named: the trained one shipped for it (it ships only
+    where it measured faster than the model-free ones), else ngram."""
+    from ..trained.format import shipped_for
+
+    folder = shipped_for(target.model)
+    return f"trained:{folder}" if folder is not None else "ngram"
+
+
 def make_drafter(spec, target, device=None, dtype=None) -> Drafter:
     """``spec`` -> a Drafter for ``target`` (a LoadedModel). ``spec`` may already be a Drafter."""
     if isinstance(spec, Drafter):
@@ -122,15 +132,14 @@ def make_drafter(spec, target, device=None, dtype=None) -> Drafter:
         return NgramDrafter(tree=True)
     if spec.startswith(TRAINED):
         return load_trained(spec.split(":", 1)[1], target)
-    if spec == "dflash":
+    if spec in SHIPPED:
         from ..trained.format import shipped_for
-        from .dflash import load_dflash
 
-        folder = shipped_for(target.model, "dflash")
+        folder = shipped_for(target.model, spec)
         if folder is None:
-            raise SpeculantError(f"no DFlash drafter ships for {target.name}: train one with `speculant train "
-                                 f"--target ... --out DIR` and use --drafter dflash:DIR")
-        return load_dflash(folder, target.model, target.name)
+            raise SpeculantError(f"no {spec} drafter ships for {target.name}: train one with `speculant train --kind "
+                                 f"{spec} --target ... --out DIR` and use --drafter {spec}:DIR")
+        return load_trained(str(folder), target)
     if spec == "suffix:arctic":
         from .arctic_suffix import ArcticSuffixDrafter
 
@@ -180,6 +189,7 @@ __all__ = [
     "NoDrafter",
     "SuffixDrafter",
     "make_drafter",
+    "default_drafter",
     "check_same_tokenizer",
     "same_vocabulary",
     "validate_drafter_spec",
