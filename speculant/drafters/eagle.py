@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from ..models.cpu_kernels import pack_linears
 from ..trained.eagle import EagleNet
 from ..trained.format import default_taps, load_network
 from .base import DraftContext, Drafter, Proposal
@@ -45,7 +46,7 @@ def load_eagle(folder: str, target: torch.nn.Module, target_name: str, dtype=Non
         return EagleNet({**cfg, "eagle_aux_hidden_state_layer_ids": taps}, own_embeddings)
 
     net = load_network(folder, target, target_name, build, "an EAGLE-3 network", dtype)
-    return EagleDrafter(net, target, label=str(folder))
+    return EagleDrafter(pack_linears(net), target, label=str(folder))
 
 
 class EagleDrafter(Drafter):
