@@ -454,8 +454,8 @@ def run_train(s: TrainSettings, progress_bar: bool = True, log=print) -> dict:
         # the distillation targets), for every kind alike, so kinds share one cache
         feature_taps = sorted(set(taps) | {n_layers})
         features = load_features(build_features(s, target, feature_taps, work, progress))
-        for f in features:
-            f.final = f.hidden[:, feature_taps.index(n_layers)]
+        for f in features:  # copies: the cached tensor with every tap is freed
+            f.final = f.hidden[:, feature_taps.index(n_layers)].clone()
             f.hidden = f.hidden[:, [feature_taps.index(t) for t in taps]]
         model.float()  # the drafter trains in float32 beside the target's frozen embeddings and LM head
         rng.shuffle(features)
