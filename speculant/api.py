@@ -210,19 +210,39 @@ class Generator:
                     yield piece
 
 
+def _stop_prefix(text: str, stop: Sequence[str] | None) -> int:
+    """The length of the longest end of ``text`` that begins a stop string."""
+    return max((k for s in stop or () for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])),
+               default=0)
+
+
 class TextStream:
     """Text pieces of one row as its tokens arrive: cut at the first stop string, holding back half
-    a multi-byte character until the rest of it comes."""
+    a multi-byte character, or the start of a stop string, until the rest of it comes.
+
+    Incremental (as vLLM detokenises): each call decodes only the tokens since the last shown piece
+    and one piece before them (so a leading space or a merged character comes out as it does in
+    the whole text), not the whole row again: streaming costs stay linear in the answer's length."""
 
     def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] | None):
         self.decode, self.stop = decode, stop
         self.tokens: list[int] = []
+        self.text = ""  # everything decoded so far (before any stop string cut)
         self.shown = ""
+        self.prefix_at = self.read_at = 0  # tokens[prefix_at:read_at]: the piece before the unread ones
 
     def add(self, new_tokens: list[int]) -> str:
         self.tokens.extend(new_tokens)
-        text = _cut_at_stop(self.decode(self.tokens), self.stop)
-        if text.endswith("\ufffd") or not (text.startswith(self.shown) and len(text) > len(self.shown)):
+        before = self.decode(self.tokens[self.prefix_at : self.read_at])
+        window = self.decode(self.tokens[self.prefix_at :])
+        if window.endswith("\ufffd") or len(window) <= len(before) or not window.startswith(before):
+            return ""
+        self.text += window[len(before) :]
+        self.prefix_at, self.read_at = self.read_at, len(self.tokens)
+        text = _cut_at_stop(self.text, self.stop)
+        if text == self.text:  # hold back what may be the start of a stop string
+            text = text[: len(text) - _stop_prefix(text, self.stop)]
+        if not (text.startswith(self.shown) and len(text) > len(self.shown)):
             return ""
         piece, self.shown = text[len(self.shown):], text
         return piece

@@ -16,7 +16,6 @@ import json
 import platform
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -71,22 +70,16 @@ async def _level(url: str, model: str, prompts: list[str], requests: int, concur
 
 
 def run(args) -> dict:
-    import uvicorn
-
     from ..api import load
     from ..server.app import create_app
+    from ..server.background import BackgroundServer
 
     prompts = [p.prompt for p in read_prompts(args.prompts)]
     gen = load(args.target, drafter=args.drafter, dtype=args.dtype, device=args.device)
     batch = max(args.concurrency)
     app = create_app(gen, "bench", max_batch_size=batch, max_queue=max(256, 2 * args.requests))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=args.port, log_level="error",
-                                           timeout_keep_alive=30))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{args.port}"
+    served = BackgroundServer(app, args.port)
+    url = served.url
     chat = bool(getattr(gen.tokenizer, "chat_template", None))  # else raw-text completions
     rows = []
     try:
@@ -102,8 +95,7 @@ def run(args) -> dict:
                       f"first token p50 {row['p50_first_token_s']:.2f} s  failures {row['failures']}"
                       + (f" ({row['failure_examples'][0]})" if row["failures"] else ""), flush=True)
     finally:
-        server.should_exit = True
-        thread.join(10)
+        served.close()
     stats = app.state.speculant["metrics"].totals
     return {"target": args.target, "drafter": gen.drafter.describe(), "backend": gen.backend.info(),
             "max_tokens": args.max_tokens, "endpoint": "chat" if chat else "completions", "machine": platform.processor() or platform.machine(),

@@ -115,7 +115,7 @@ def decoder_layer(h, cos, sin, mask, idx, k_cache, v_cache, w: dict, n_heads: in
     # slower on CPU once B > 1)
     k_cache.transpose(1, 2).index_put_(idx, qk[:, :, n_heads:])
     v_cache.transpose(1, 2).index_put_(idx, v)
-    q, k, v = qk[:, :, :n_heads].transpose(1, 2), qk[:, :, n_heads:].transpose(1, 2), v.transpose(1, 2)
+    q, v = qk[:, :, :n_heads].transpose(1, 2), v.transpose(1, 2)
     # mask None: a one-token step over exactly the live cache, or (causal) a prefill from position 0
     o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, is_causal=causal,
                                        scale=scaling, enable_gqa=gqa)

@@ -464,7 +464,6 @@ def run_train(s: TrainSettings, progress_bar: bool = True, log=print) -> dict:
         vocab = int(model.get_output_embeddings().weight.shape[0])
         d2t, t2d = draft_vocabulary(train, s.draft_vocab, vocab)
         draft_size = s.draft_vocab if d2t is not None else vocab
-        head = model.get_output_embeddings()
         cfg, net, trainer = _network(s, target, taps, draft_size, d2t, t2d)
         params = [p for p in net.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=0.0, betas=(0.9, 0.95))
