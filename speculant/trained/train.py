@@ -15,6 +15,7 @@ Stages, each cached in ``OUT.work/`` (delete it to start over; ``--resume`` pick
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -59,7 +60,7 @@ class TrainSettings:
     taps: list[int] | None = None
     anchors: int = 48  # per sequence and step
     batch: int = 4  # sequences per optimizer step
-    lr: float = 6e-4
+    lr: float = 1e-3
     warmup: int = 50
     eval_sequences: int = 32
     checkpoint_every: int = 100
@@ -150,14 +151,16 @@ def build_features(s: TrainSettings, target, taps, work: Path, progress: Progres
     The cache grows: a manifest written after every shard records its token count, so an
     interrupted run resumes where it stopped, and a run asking for fewer tokens than the cache
     holds (the same data and settings otherwise) takes a prefix of it instead of starting over."""
-    manifest = work / "features.json"
     key = {k: getattr(s, k) for k in ("target", "data", "conversations", "self_distill", "answer_tokens", "seq_len",
                                       "dtype")} | {"taps": list(taps)}
+    if s.data != "sharegpt":  # the user's file: rebuilt when it changes
+        stat = Path(s.data).stat()
+        key["data_file"] = [stat.st_size, stat.st_mtime_ns]
+    # one folder per set of settings: a run with other settings never touches another's cache
+    work = work / ("features-" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10])
+    manifest = work / "features.json"
     kept = json.loads(manifest.read_text()) if manifest.is_file() else {}
-    shards = kept.get("shards", []) if kept.get("key") == key else []
-    if not shards and manifest.is_file():
-        for old in work.glob("features-*.pt"):  # another key's cache: start over
-            old.unlink()
+    shards = kept.get("shards", [])
     tokens = sum(sh["tokens"] for sh in shards)
     if tokens >= s.max_tokens or (shards and kept.get("exhausted")):
         return _prefix(work, shards, s.max_tokens)
