@@ -255,7 +255,8 @@ class TextStream:
 
 
 def load(target: str = "default", drafter: str | Drafter | None = None, gamma: int | str | None = None,
-         device: str | None = None, dtype: str | None = None, path: str = "auto", compile: bool = False) -> Generator:
+         device: str | None = None, dtype: str | None = None, path: str = "auto", compile: bool = False,
+         device_map: str | dict | None = None) -> Generator:
     """Load a target ("default" | model folder | .gguf) and a drafter (see drafters.DRAFTER_HELP; None:
     the trained drafter shipped for the target, if one ships, else "ngram").
 
@@ -263,6 +264,8 @@ def load(target: str = "default", drafter: str | Drafter | None = None, gamma: i
     this machine among the exact ones (models/cpu_choice.py: measured once, cached).
     path: "auto" (the static-cache fast path where the architecture has one), "fast" or "general".
     compile: torch.compile the fast path's forward (worth it for long runs; compiling takes a while).
+    device_map: "auto" spreads a target too big for one GPU over the GPUs with accelerate (the
+    general path then runs it; the drafter goes where the target's embeddings are).
     """
     if path not in PATHS:
         raise SpeculantError(f"unknown path {path!r}: use one of {', '.join(PATHS)}")
@@ -272,10 +275,10 @@ def load(target: str = "default", drafter: str | Drafter | None = None, gamma: i
         validate_drafter_spec(drafter)  # bad input fails before any model work
     dev = resolve_device(device)
     choice = None
-    if dev.type == "cpu" and dtype in (None, "", "auto"):
+    if dev.type == "cpu" and dtype in (None, "", "auto") and device_map is None:
         choice = choose_cpu_dtype(target)
         dtype = choice.dtype
-    tgt = load_model(target, device=dev, dtype=dtype)
+    tgt = load_model(target, device=dev, dtype=dtype, device_map=device_map)
     d = make_drafter(drafter if drafter is not None else default_drafter(tgt), tgt)
     gen = Generator(tgt, d, gamma, path, compile)
     if choice is not None:

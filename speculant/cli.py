@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
+    g.add_argument("--device-map", default=None, metavar="auto", help="spread a target too big for one GPU over "
+                   "the GPUs with accelerate (runs on the general path)")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: bfloat16 on GPU; on a CPU "
                    "the exact dtype that decodes fastest there, measured once and cached)")
     g.add_argument("--path", default="auto", choices=["auto", "fast", "general"],
@@ -178,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-queue", type=int, default=256, help="choices waiting before new requests get 429")
     v.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is ended (408)")
     v.add_argument("--device", default=None)
+    v.add_argument("--device-map", default=None, metavar="auto", help="spread the target over the GPUs (accelerate)")
     v.add_argument("--dtype", default="auto")
     v.add_argument("--path", default="auto", choices=["auto", "fast", "general"])
     v.add_argument("--compile", action="store_true")
@@ -235,6 +238,7 @@ def cmd_generate(args) -> int:
         raise SpeculantError("the prompt is empty: give some text to continue")
     schema = _read_schema(args.json_schema) if args.json_schema is not None else None
     gen = load(args.target, drafter=args.drafter, gamma=args.gamma, device=args.device, dtype=args.dtype,
+               device_map=args.device_map,
                path=args.path, compile=args.compile)
     if args.json_schema is not None:
         from .constrain import json_schema_processor
@@ -314,6 +318,7 @@ def cmd_serve(args) -> int:
     if args.drafter is not None:
         validate_drafter_spec(args.drafter)
     gen = load(args.target, drafter=args.drafter, gamma=args.gamma, device=args.device, dtype=args.dtype,
+               device_map=args.device_map,
                path=args.path, compile=args.compile)
     app = create_app(gen, args.model_name or args.target, args.api_key, args.max_batch_size, args.max_queue,
                      args.request_timeout)

@@ -190,3 +190,24 @@ def test_fast_path_keeps_every_projection_bias(bias, kernels):
                               path="fast", kernels=None if kernels == "auto" else kernels)
     out = gen.generate_ids([prompt], max_new_tokens=24)[0]
     assert out.token_ids == ref, mismatch_report(target, prompt, ref, out.token_ids)
+
+
+def test_device_map_loads_with_accelerate_and_a_split_model_runs_on_the_general_path(tmp_path):
+    """--device-map auto (accelerate): on this CPU-only machine the whole model lands on the CPU; a
+    model spread over several devices runs on the general path, whose outputs come back to the
+    input's device. (Several GPUs are not available to the tests.)"""
+    from helpers import save_tiny_folder
+    from speculant.models.backend import Backend
+
+    folder = save_tiny_folder(tmp_path / "tiny")
+    gen = speculant.load(str(folder), drafter="ngram", dtype="float32", device_map="auto", gamma=3)
+    ids = gen.tokenizer("w3 w7 w3 w7 w3 w7 w9")["input_ids"]
+    out = gen.generate_ids([ids], max_new_tokens=12)[0]
+    assert out.token_ids == hf_greedy(gen.target.model, ids, 12)
+    model = gen.target.model
+    placed = model.hf_device_map
+    model.hf_device_map = {"model.embed_tokens": "cpu", "model.layers": 0, "lm_head": 1}  # as accelerate records
+    try:
+        assert Backend(model, "auto", quiet=True).name == "general"
+    finally:
+        model.hf_device_map = placed

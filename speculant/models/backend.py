@@ -41,6 +41,8 @@ class Backend:
         self.model = model
         device = next(model.parameters()).device
         ok, why = supports(model)
+        if getattr(model, "hf_device_map", None) and len(set(model.hf_device_map.values())) > 1:
+            ok, why = False, "the model is spread over several devices (device_map)"  # the fast path is one device's
         # auto: the fast path wherever the architecture has one (faster on every device measured)
         want_fast = path in ("fast", "auto")
         if (path == "fast" or compile) and not ok and not quiet:

@@ -64,9 +64,10 @@ class KVState:
         )
         self.block_start = self.length  # where this block's columns begin (keep_path)
         self.valid = mask
+        dev = tokens.device  # a model split across devices (device_map) ends on another one
         if taps:
-            return out.logits, torch.stack([out.hidden_states[i] for i in taps], 2)
-        return out.logits
+            return out.logits.to(dev), torch.stack([out.hidden_states[i].to(dev) for i in taps], 2)
+        return out.logits.to(dev)
 
     def rollback(self, lengths: torch.Tensor) -> None:
         """Roll back: row b keeps only its first ``lengths[b]`` valid tokens."""

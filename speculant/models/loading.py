@@ -190,12 +190,15 @@ def resolve_model_folder(spec: str) -> tuple[Path, str]:
 _LOADED: dict[tuple, LoadedModel] = {}
 
 
-def load_model(spec: str, device: str | torch.device | None = None, dtype=None) -> LoadedModel:
-    """Load a causal LM and its tokenizer (memoised per process: tests and benches load once)."""
+def load_model(spec: str, device: str | torch.device | None = None, dtype=None,
+               device_map: str | dict | None = None) -> LoadedModel:
+    """Load a causal LM and its tokenizer (memoised per process: tests and benches load once).
+    ``device_map`` ("auto", or accelerate's dict): spread a model too big for one GPU over the
+    GPUs (and CPU) with accelerate; it then runs on the general path."""
     dev = device if isinstance(device, torch.device) else resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     folder, name = resolve_model_folder(spec)
-    key = (str(folder.resolve()), str(dev), dt)
+    key = (str(folder.resolve()), str(dev), dt, str(device_map))
     if key in _LOADED:
         return _LOADED[key]
     _quiet_transformers()
@@ -203,10 +206,13 @@ def load_model(spec: str, device: str | torch.device | None = None, dtype=None) 
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dt, local_files_only=True)
+        placed = {"device_map": device_map} if device_map is not None else {}
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dt, local_files_only=True, **placed)
     except (OSError, ValueError, KeyError) as e:
         raise SpeculantError(f"'{spec}' could not be loaded as a causal language model: {str(e).splitlines()[0]}") from None
-    model.to(dev).eval()
+    if device_map is None:
+        model.to(dev)
+    model.eval()
     loaded = LoadedModel(model=model, tokenizer=tokenizer, name=name)
     _LOADED[key] = loaded
     return loaded
