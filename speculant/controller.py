@@ -250,13 +250,18 @@ class GammaController:
     def verify(self) -> VerifyTimes:
         return self.cost_model.verify
 
+    ROWS = ("alphas", "calibration", "off_for", "wait", "on")  # per-row state, in batch-slot order
+    joins = True
+
     def select(self, keep: list[int]) -> None:
         """Only these batch slots go on."""
-        self.alphas = [self.alphas[i] for i in keep]
-        self.calibration = [self.calibration[i] for i in keep]
-        self.off_for = [self.off_for[i] for i in keep]
-        self.wait = [self.wait[i] for i in keep]
-        self.on = [self.on[i] for i in keep]
+        for name in self.ROWS:
+            setattr(self, name, [getattr(self, name)[i] for i in keep])
+
+    def join(self, other: "GammaController") -> None:
+        """``other``'s rows join, each with what it has learnt so far."""
+        for name in self.ROWS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def costs(self, batch: int) -> StaticCosts:
         return self.cost_model.for_batch(batch)

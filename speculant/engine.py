@@ -105,9 +105,12 @@ class Stats:
 
 @dataclass
 class Row:
-    """One request's output as it grows."""
+    """One request's output as it grows, and what ends it."""
 
     prompt: list[int]
+    limit: int = 1 << 30  # max new tokens
+    stop: object = None  # callable(tokens) -> index to cut at, or None
+    cancelled: object = None  # callable() -> True to end the row now (finish_reason "abort")
     tokens: list[int] = field(default_factory=list)
     logprobs: list[dict] | None = None  # per token, when requested
     finished: bool = False
@@ -162,123 +165,140 @@ class Engine:
         self.device = next(target.parameters()).device
         self.vocab_size = int(target.get_output_embeddings().weight.shape[0])
         self.costs = CostModel()  # what passes cost here, learnt by gamma="auto" across requests
-        self.busy = False
+        self.drafter_busy = False  # a batch holds self.drafter (others get forks of it)
 
     def run(self, req: Request) -> Iterator[tuple[int, list[int]]]:
-        """Generate; yields (row, new tokens) as tokens are accepted; returns the list of Rows.
-        One run at a time: the drafter's state and the KV caches belong to the running batch."""
-        if self.busy:
-            raise SpeculantError("this generator is already generating (another stream of it is still open): "
-                                 "finish or close() that stream first, batch the prompts in one call, or use "
-                                 "speculant serve for concurrent requests")
-        self.busy = True
+        """Generate; yields (row, new tokens) as tokens are accepted; returns the list of Rows."""
+        batch = self.start(req)
         try:
-            return (yield from self._run(req))
-        finally:
-            self.busy = False
+            while not batch.done:
+                yield from self.step(batch)
+        finally:  # also when the caller stops early (a closed stream): the caches and drafter go back
+            rows = self.finish(batch)
+        return rows
 
-    def _run(self, req: Request) -> Iterator[tuple[int, list[int]]]:
+    def start(self, req: Request) -> "Batch":
+        """Prefill a request's rows: the target's first token comes from the prompt alone. Each batch
+        has its own KV state and drafter state (the engine's drafter, or a fork of it while another
+        batch holds it), so batches may be stepped in any order."""
         dev, params = self.device, req.params
+        drafter = self.drafter if not self.drafter_busy else self.drafter.fork()
         proc = LogitsProcessing(params, self.vocab_size)
         generator = torch.Generator(device=dev)
         generator.manual_seed(req.seed if req.seed is not None else int(torch.randint(0, 2**62, (1,))))
-        stats = dict(drafter=self.drafter.describe(), gamma=req.gamma, backend=self.backend.info())
-        rows = [Row(list(p), logprobs=None if req.logprobs is None else [], stats=Stats(**stats)) for p in req.prompts]
-        active = list(range(len(rows)))  # batch slot -> row index
-        most = req.gamma if isinstance(req.gamma, int) else self._gamma_max(req)
-        auto = GammaController(len(rows), most, costs=self.costs) if req.gamma == "auto" else None
+        stats = dict(drafter=drafter.describe(), gamma=req.gamma, backend=self.backend.info())
+        n = len(req.prompts)
+        rows = [Row(list(p), req.limit(r), req.stop_for(r), _cancel(req.cancelled, r),
+                    logprobs=None if req.logprobs is None else [], stats=Stats(**stats))
+                for r, p in enumerate(req.prompts)]
+        most = req.gamma if isinstance(req.gamma, int) else self._gamma_max(req, drafter)
+        auto = GammaController(n, most, costs=self.costs) if req.gamma == "auto" else None
         t0 = time.perf_counter()
-
-        # Prefill: the target's first token comes from the prompt alone.
         longest = max(len(p) for p in req.prompts)
-        max_tokens = min(longest + max(req.limit(r) for r in range(len(rows))), self.context_length) + 2 * most + 2
-        state = self.backend.new_state(len(rows), max_tokens)
-        self.state, self.slots = state, active  # for inspection (tests of the rollback invariant)
+        max_tokens = min(longest + max(r.limit for r in rows), self.context_length) + 2 * most + 2
+        state = self.backend.new_state(n, max_tokens)
         tokens, valid = left_pad(req.prompts, dev)
         history = TokenHistory(req.prompts, self.vocab_size, dev, params) if params.uses_context else None
         context = history.after(tokens[:, :0]) if history is not None else None
-        taps = tuple(self.drafter.hidden_layers)
+        taps = tuple(drafter.hidden_layers)
         out = state.append(tokens, valid, last_only=True, taps=taps)
         logits, hidden = out if taps else (out, None)
-        logits = logits[:, -1]
-        prompt_hidden = [hidden[b, valid[b]] for b in range(len(rows))] if taps else None
-        dist = proc.scores(logits, context) if params.greedy else proc.probs(logits, context)
+        dist = proc.scores(logits[:, -1], context) if params.greedy else proc.probs(logits[:, -1], context)
         pending = dist.argmax(-1) if params.greedy else torch.multinomial(dist, 1, generator=generator).squeeze(1)
-        logprobs = _logprobs(req, dist[:, None], pending[:, None], [1] * len(rows))
+        logprobs = _logprobs(req.logprobs, params, dist[:, None], pending[:, None], [1] * n)
         _sync(dev)
         for r in rows:
             r.stats.target_seconds = r.stats.first_token_seconds = time.perf_counter() - t0
             r.stats.count_pass(0, 0)
-        self.drafter.start(DraftContext(req.prompts, proc, generator, dev, self.vocab_size, max_tokens, state,
-                                        prompt_hidden))
-        new = [[t] for t in pending.tolist()]
-        n_acc, fed = [0] * len(rows), None  # fed: hidden states of the tokens the last pass cached
+        prompt_hidden = [hidden[b, valid[b]] for b in range(n)] if taps else None
+        drafter.start(DraftContext(req.prompts, proc, generator, dev, self.vocab_size, max_tokens, state,
+                                   prompt_hidden))
+        # fed: hidden states of the tokens the last pass cached (none yet: the prompt's went to start)
+        fed = [h[:0] for h in prompt_hidden] if taps else None
+        self.drafter_busy |= drafter is self.drafter
+        return Batch(rows, list(range(n)), req, proc, generator, state, drafter, history, auto, taps, pending,
+                     [[t] for t in pending.tolist()], [0] * n, fed, logprobs, t0)
 
-        while True:
-            active, keep_slots = yield from self._emit(rows, active, new, logprobs, req)
-            if not active:
-                break
-            self.slots = active
-            if len(keep_slots) < len(new):  # some rows finished: shrink the batch
-                keep = torch.tensor(keep_slots, device=dev)
-                state.select(keep)
-                pending = pending[keep]
-                for part in (history, self.drafter, auto):
-                    if part is not None:
-                        part.select(keep_slots)
-                new, n_acc = [new[i] for i in keep_slots], [n_acc[i] for i in keep_slots]
-                fed = [fed[i] for i in keep_slots] if fed is not None else None
-            if history is not None:
-                history.extend(new)
-            if fed is not None:
-                self.drafter.observe_hidden(fed)
-            self.drafter.update(new, n_acc)
-            # drafts never run past max_new_tokens or the context
-            room = min(min(req.limit(r) - len(rows[r].tokens) for r in active),
-                       self.context_length - int(state.lengths().max()) - 1)
-            td = time.perf_counter()
-            prop, caps = self._draft(auto, req, room - 1, len(active))
-            _sync(dev)
-            tt = time.perf_counter()
-            n, pending, emitted, dist, fed = self._verify(state, pending, prop, history, proc, params.greedy,
-                                                          generator, taps)
-            n_acc = n.tolist()
-            logprobs = _logprobs(req, dist, emitted, [k + 1 for k in n_acc])
-            _sync(dev)
-            tv = time.perf_counter()
-            new = [e[: k + 1] for e, k in zip(emitted.tolist(), n_acc)]
-            self._account([rows[r].stats for r in active], auto, prop, caps, n_acc, tt - td, tv - tt)
+    def step(self, batch: "Batch") -> Iterator[tuple[int, list[int]]]:
+        """One pass: hand out the tokens the last pass accepted (rows that end leave the batch),
+        then draft, verify (one target pass) and account."""
+        b = batch
+        self.state, self.slots = b.state, b.active  # for inspection (tests of the rollback invariant)
+        b.active, keep_slots = yield from self._emit(b)
+        if not b.active:
+            b.done = True
+            return
+        self.slots = b.active
+        if len(keep_slots) < len(b.new):
+            b.shrink(keep_slots)
+        if b.history is not None:
+            b.history.extend(b.new)
+        if b.fed is not None:
+            b.drafter.observe_hidden(b.fed)
+        b.drafter.update(b.new, b.n_acc)
+        # drafts never run past max_new_tokens or the context
+        room = min(min(b.rows[r].limit - len(b.rows[r].tokens) for r in b.active),
+                   self.context_length - int(b.state.lengths().max()) - 1)
+        td = time.perf_counter()
+        prop, caps = self._draft(b, room - 1)
+        _sync(self.device)
+        tt = time.perf_counter()
+        n, b.pending, emitted, dist, b.fed = self._verify(b.state, b.pending, prop, b.history, b.proc,
+                                                          b.req.params.greedy, b.generator, b.taps)
+        b.n_acc = n.tolist()
+        b.logprobs = _logprobs(b.req.logprobs, b.req.params, dist, emitted, [k + 1 for k in b.n_acc])
+        _sync(self.device)
+        tv = time.perf_counter()
+        b.new = [e[: k + 1] for e, k in zip(emitted.tolist(), b.n_acc)]
+        self._account(b, prop, caps, tt - td, tv - tt)
+
+    def join(self, batch: "Batch", other: "Batch") -> None:
+        """Rows of ``other`` (same settings) join ``batch`` before its next pass."""
+        if not batch.can_join(other):
+            raise SpeculantError("these batches cannot join: their sampling settings, γ or drafter differ")
+        for b in (batch, other):  # the joined state holds caches of its own
+            self.backend.release(b.state)
+        if other.drafter is self.drafter:
+            self.drafter_busy = False
+        batch.join(other)
+
+    def finish(self, batch: "Batch") -> list[Row]:
+        """The batch's rows with their final stats; its caches and drafter go back."""
         self.state = None  # the cache is not kept alive between requests
-        total = time.perf_counter() - t0
-        for r in rows:
+        self.backend.release(batch.state)
+        batch.drafter.finish()
+        if batch.drafter is self.drafter:
+            self.drafter_busy = False
+        total = time.perf_counter() - batch.t0
+        for r in batch.rows:
             r.stats.seconds = total
             r.stats.new_tokens = len(r.tokens)
-        return rows
+        return batch.rows
 
-    def _gamma_max(self, req: Request) -> int:
+    def _gamma_max(self, req: Request, drafter: Drafter) -> int:
         """The most ``auto`` drafts per pass: 8 tokens for drafters that pay per draft token (models);
         model-free ones (ngram, suffix) cost nothing more for longer drafts, so 16 tokens, or tree
         nodes (48 on a GPU, where a pass verifies dozens of tokens at the price of one)."""
         if req.gamma_max is not None:
             most = req.gamma_max
-        elif self.drafter.makes_trees:
+        elif drafter.makes_trees:
             most = 48 if self.device.type == "cuda" else 16
         else:
-            most = 16 if self.drafter.free_drafts else 8
-        return min(most, self.drafter.max_gamma or most)
+            most = 16 if drafter.free_drafts else 8
+        return min(most, drafter.max_gamma or most)
 
-    def _draft(self, auto, req: Request, room: int, batch: int) -> tuple[Proposal, list[int]]:
+    def _draft(self, b: "Batch", room: int) -> tuple[Proposal, list[int]]:
         """Propose, within ``room`` draft tokens: a chain of γ tokens per row (γ chosen first), or
         a token tree asked for at its whole budget and then cut to the nodes worth verifying.
         Returns the proposal and each row's cap (γ, or nodes kept)."""
-        trees = self.drafter.makes_trees
+        auto, trees, batch = b.auto, b.drafter.makes_trees, len(b.active)
         if auto is None:
-            gamma = max(0, min(req.gamma, room))
+            gamma = max(0, min(b.req.gamma, room))
         elif trees:
             gamma = max(0, min(auto.gamma_max, room))
         else:
             gamma, caps = auto.choose(room)
-        prop = self.drafter.propose(gamma) if gamma > 0 else self._empty(batch)
+        prop = b.drafter.propose(gamma) if gamma > 0 else self._empty(batch)
         check_proposal(prop, batch, gamma, self.vocab_size, self.device)
         if auto is not None and trees and prop.parents is not None:
             caps = auto.choose_tree(prop.scores, depths(prop.parents), prop.lengths, gamma)
@@ -325,23 +345,25 @@ class Engine:
             fed = [hidden[b, steps[b, : k + 1]] for b, k in enumerate(n.tolist())]
         return n, nxt, emitted, dist, fed
 
-    def _account(self, stats: list[Stats], auto, prop: Proposal, caps: list[int], n_acc: list[int],
-                 draft_seconds: float, verify_seconds: float) -> None:
+    def _account(self, b: "Batch", prop: Proposal, caps: list[int], draft_seconds: float,
+                 verify_seconds: float) -> None:
         """Per-row counters, and what the pass teaches the controller (acceptance, costs)."""
+        auto, n_acc = b.auto, b.n_acc
         lens = prop.lengths.tolist()
         width = prop.tokens.shape[1] + 1
         gamma = max(caps, default=0)
-        draft_cost = draft_seconds - (self.drafter.catchup_seconds if gamma > 0 else 0.0)
+        draft_cost = draft_seconds - (b.drafter.catchup_seconds if gamma > 0 else 0.0)
         # judged positions per row: a chain's length, a tree's depth
         depth = lens if prop.parents is None else tree_depth(prop.parents, prop.lengths).tolist()
-        per_pass = self.drafter.block_drafts
+        per_pass = b.drafter.block_drafts
         if auto is None:  # fixed-γ passes teach the costs too
             self.costs.observe_pass(gamma, len(lens) * width, draft_cost, verify_seconds, per_pass)
         elif prop.parents is not None:
             auto.observe_tree(width, lens, n_acc, _kept_scores(prop), draft_cost, verify_seconds)
         else:
             auto.observe(gamma, width, lens, n_acc, draft_cost, verify_seconds, per_pass)
-        for s, st in enumerate(stats):
+        for s, r in enumerate(b.active):
+            st = b.rows[r].stats
             st.drafter_seconds += draft_seconds
             st.target_seconds += verify_seconds
             st.count_pass(depth[s], n_acc[s], caps[s], nodes=lens[s] if prop.parents is not None else 0)
@@ -350,35 +372,34 @@ class Engine:
         z = torch.zeros(batch, 0, dtype=torch.long, device=self.device)
         return Proposal(z, torch.zeros(batch, dtype=torch.long, device=self.device))
 
-    def _emit(self, rows: list[Row], active: list[int], new: list[list[int]], logprobs, req: Request):
+    def _emit(self, b: "Batch"):
         """Append each active row's new tokens, ending rows at EOS / stop / max_new_tokens / cancel."""
         still, keep_slots = [], []
-        for slot, r in enumerate(active):
-            row, added = rows[r], []
-            if req.cancelled is not None and req.cancelled(r):
-                row.finish_reason, new[slot] = "abort", []
-            for tok in new[slot]:
+        for slot, r in enumerate(b.active):
+            row, added, new = b.rows[r], [], b.new[slot]
+            if row.cancelled is not None and row.cancelled():
+                row.finish_reason, new = "abort", []
+            for tok in new:
                 added.append(tok)
                 if tok in self.eos:
                     row.finish_reason = "eos"
                     break
-                if len(row.tokens) + len(added) >= req.limit(r):
+                if len(row.tokens) + len(added) >= row.limit:
                     row.finish_reason = "length"
                     break
                 if len(row.prompt) + len(row.tokens) + len(added) >= self.context_length:
                     row.finish_reason = "context"
                     break
-            stop = req.stop_for(r)
-            if stop is not None and not row.finish_reason:
-                cut = stop(row.tokens + added)
+            if row.stop is not None and not row.finish_reason:
+                cut = row.stop(row.tokens + added)
                 if cut is not None:
                     added = added[: max(0, cut - len(row.tokens))]
                     row.finish_reason = "stop"
             row.tokens.extend(added)
-            if logprobs is not None:
-                row.logprobs.extend(logprobs[slot][: len(added)])
+            if b.logprobs is not None:
+                row.logprobs.extend(b.logprobs[slot][: len(added)])
             if added:  # all but a pass's last token were drafts (the prefill's one token is the target's)
-                yield r, Emitted(added, min(len(added), len(new[slot]) - 1))
+                yield r, Emitted(added, min(len(added), len(new) - 1))
             if row.finish_reason:
                 row.finished = True
             else:
@@ -387,9 +408,79 @@ class Engine:
         return still, keep_slots
 
 
-def _logprobs(req: Request, dist: torch.Tensor, tokens: torch.Tensor, count: list[int]):
+def _logprobs(n: int | None, params: SamplingParams, dist: torch.Tensor, tokens: torch.Tensor, count: list[int]):
     """Logprob entries of each row's first count[b] tokens, from the verify pass's processed distribution."""
-    return None if req.logprobs is None else token_logprobs(dist, req.params.greedy, tokens, count, req.logprobs)
+    return None if n is None else token_logprobs(dist, params.greedy, tokens, count, n)
+
+
+def _cancel(cancelled, row: int):
+    """Request.cancelled(row) as a row's own callable."""
+    return None if cancelled is None else (lambda: cancelled(row))
+
+
+@dataclass
+class Batch:
+    """Rows generating together: one KV state, one drafter state, one γ controller. Rows leave as
+    they finish (``shrink``); the rows of another batch with the same settings can join it
+    between passes (``join``), so a server decodes requests that arrive at different times as one
+    batch. ``active``: batch slot -> index into ``rows``."""
+
+    rows: list[Row]
+    active: list[int]
+    req: Request  # the settings every row shares (sampling, γ, logprobs)
+    proc: LogitsProcessing
+    generator: torch.Generator
+    state: object
+    drafter: Drafter
+    history: TokenHistory | None
+    auto: GammaController | None
+    taps: tuple
+    pending: torch.Tensor  # [B] each row's next token, not yet in the target's cache
+    new: list[list[int]]  # per slot, the tokens the last pass accepted (not yet handed out)
+    n_acc: list[int]
+    fed: list | None  # per slot, hidden states of the tokens the last pass cached
+    logprobs: list | None
+    t0: float
+    done: bool = False
+
+    def shrink(self, keep: list[int]) -> None:
+        """Only these slots go on (the other rows finished)."""
+        idx = torch.tensor(keep, device=self.pending.device)
+        self.state.select(idx)
+        self.pending = self.pending[idx]
+        for part in (self.history, self.drafter, self.auto):
+            if part is not None:
+                part.select(keep)
+        self.new, self.n_acc = [self.new[i] for i in keep], [self.n_acc[i] for i in keep]
+        self.fed = [self.fed[i] for i in keep] if self.fed is not None else None
+        self.logprobs = [self.logprobs[i] for i in keep] if self.logprobs is not None else None
+
+    def can_join(self, other: "Batch") -> bool:
+        """Whether ``other``'s rows may join: the same settings, no seed of its own (a seeded row runs
+        alone so its text does not depend on what else runs), parts that know how to join."""
+        a, b = self.req, other.req
+        same = (a.params == b.params and a.gamma == b.gamma and a.logprobs == b.logprobs
+                and a.gamma_max == b.gamma_max and a.seed is None and b.seed is None)
+        parts = [(self.state, other.state), (self.drafter, other.drafter), (self.history, other.history),
+                 (self.auto, other.auto)]
+        return same and not self.done and not other.done and all(
+            x is None or type(x) is type(y) and getattr(x, "joins", False) for x, y in parts)
+
+    def join(self, other: "Batch") -> None:
+        """Take ``other``'s rows (a batch just started, or stepped apart) into this one."""
+        offset = len(self.rows)
+        self.rows += other.rows
+        self.active += [r + offset for r in other.active]
+        self.state.join(other.state)
+        self.pending = torch.cat([self.pending, other.pending])
+        for mine, theirs in ((self.history, other.history), (self.drafter, other.drafter), (self.auto, other.auto)):
+            if mine is not None:
+                mine.join(theirs)
+        self.new += other.new
+        self.n_acc += other.n_acc
+        self.fed = self.fed + other.fed if self.fed is not None else None
+        self.logprobs = self.logprobs + other.logprobs if self.logprobs is not None else None
+        other.done, other.rows, other.active = True, [], []
 
 
 def _cap(prop: Proposal, caps: list[int]) -> Proposal:

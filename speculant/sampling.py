@@ -151,6 +151,14 @@ class TokenHistory:
         self.counts = self.counts[idx] if self.counts is not None else None
         self.texts = [self.texts[r] for r in rows] if self.texts is not None else None
 
+    joins = True
+
+    def join(self, other: "TokenHistory") -> None:
+        """Append ``other``'s rows (histories kept in the same forms: the same processing)."""
+        self.seen = torch.cat([self.seen, other.seen]) if self.seen is not None else None
+        self.counts = torch.cat([self.counts, other.counts]) if self.counts is not None else None
+        self.texts = self.texts + other.texts if self.texts is not None else None
+
     def block(self, drafts: torch.Tensor, seen: torch.Tensor | None = None) -> Context:
         """Context of each position of a verify block [B, T = G+1]: position t has seen drafts[:, :t],
         or for a token tree the drafts ``seen`` [B, T, G] marks (the node's ancestors)."""

@@ -1,6 +1,7 @@
 """The drafter interface: the engine talks to every drafter through these four methods only."""
 from __future__ import annotations
 
+import copy
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -103,3 +104,17 @@ class Drafter(ABC):
 
     def describe(self) -> str:
         return self.name
+
+    # rows of another batch (this drafter's fork, started on them) can join: join() is implemented
+    joins: bool = False
+
+    def fork(self) -> "Drafter":
+        """A drafter with the same weights and settings for another batch (its state comes with start)."""
+        return copy.copy(self)
+
+    def join(self, other: "Drafter") -> None:
+        """Append the rows of ``other`` (a fork of this drafter, started on them) after this batch's."""
+        raise NotImplementedError(f"the {self.name} drafter cannot take rows of another batch")
+
+    def finish(self) -> None:
+        """The batch is over: give back what it held (caches)."""

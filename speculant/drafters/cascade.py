@@ -148,6 +148,14 @@ class CascadeDrafter(Drafter):
         if self.history is not None:
             self.history.extend(new_tokens)
 
+    def fork(self) -> "CascadeDrafter":
+        twin = super().fork()
+        twin.inner = self.inner.fork()  # A's state is per batch too
+        return twin
+
+    def finish(self) -> None:
+        self.inner.finish()
+
     def select(self, rows) -> None:
         idx = torch.tensor(rows, dtype=torch.long, device=self.ctx.device)
         self.state.select(idx)

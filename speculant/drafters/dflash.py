@@ -15,6 +15,7 @@ from ..sampling import TokenHistory
 from ..trained.dflash import DFlashNet
 from ..trained.format import load_network
 from .base import DraftContext, Drafter, Proposal
+from ..models.fast import cat_rows
 from .model import fit_vocab
 
 
@@ -89,6 +90,16 @@ class DFlashDrafter(Drafter):
         self.lengths, self.pending = self.lengths[idx], self.pending[idx]
         if self.history is not None:
             self.history.select(rows)
+
+    joins = True
+
+    def join(self, other: "DFlashDrafter") -> None:
+        # slot -1 takes padding: the larger cache's
+        self.keys = [cat_rows(a, b) for a, b in zip(self.keys, other.keys)]
+        self.values = [cat_rows(a, b) for a, b in zip(self.values, other.values)]
+        self.lengths, self.pending = torch.cat([self.lengths, other.lengths]), torch.cat([self.pending, other.pending])
+        if self.history is not None:
+            self.history.join(other.history)
 
     @torch.no_grad()
     def propose(self, gamma: int) -> Proposal:

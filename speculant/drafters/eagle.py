@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from ..models.cpu_kernels import pack_linears
+from ..models.fast import cat_rows
 from ..trained.eagle import EagleNet
 from ..trained.format import default_taps, load_network
 from .base import DraftContext, Drafter, Proposal
@@ -95,6 +96,16 @@ class EagleDrafter(Drafter):
         self.lengths = self.lengths[idx]
         self.unfed = [self.unfed[r] for r in rows]
         self.waiting = [self.waiting[r] for r in rows]
+
+    joins = True
+
+    def join(self, other: "EagleDrafter") -> None:
+        self.spare = max(self.spare, other.spare)  # the larger cache's last slot takes the padding
+        self.keys = [cat_rows(a, b) for a, b in zip(self.keys, other.keys)]
+        self.values = [cat_rows(a, b) for a, b in zip(self.values, other.values)]
+        self.lengths = torch.cat([self.lengths, other.lengths])
+        self.unfed += other.unfed
+        self.waiting += other.waiting
 
     def _kv(self, layer: int, slots: torch.Tensor, width: int):
         """Layer ``layer``'s keys/values callback: write the new k/v at ``slots`` [B, T], attend

@@ -45,13 +45,19 @@ class MedusaDrafter(Drafter):
         self.last = torch.stack([h[-1, 0] for h in ctx.prompt_hidden])  # [B, H]
 
     def observe_hidden(self, hidden: list[torch.Tensor]) -> None:
-        self.last = torch.stack([h[-1, 0] for h in hidden])
+        # a row that cached nothing this pass (it just joined) keeps the state its prompt left
+        self.last = torch.stack([h[-1, 0] if h.shape[0] else last for h, last in zip(hidden, self.last)])
 
     def update(self, new_tokens, n_accepted) -> None:
         pass  # the tree hangs under the pass's first token; the heads need only the hidden state
 
     def select(self, rows) -> None:
         self.last = self.last[torch.tensor(rows, dtype=torch.long, device=self.last.device)]
+
+    joins = True
+
+    def join(self, other: "MedusaDrafter") -> None:
+        self.last = torch.cat([self.last, other.last])
 
     @torch.no_grad()
     def propose(self, gamma: int) -> Proposal:

@@ -62,6 +62,10 @@ class ModelDrafter(Drafter):
         params = ctx.processing.params
         self.history = TokenHistory(ctx.prompts, ctx.vocab_size, ctx.device, params) if params.uses_context else None
 
+    def finish(self) -> None:
+        if getattr(self, "state", None) is not None:
+            self.backend.release(self.state)
+
     @torch.no_grad()
     def propose(self, gamma: int) -> Proposal:
         tokens, valid = left_pad(self.to_feed, self.ctx.device)

@@ -109,3 +109,9 @@ class NgramDrafter(Drafter):
     def select(self, rows) -> None:
         self.texts = [self.texts[r] for r in rows]
         self.index = [self.index[r] for r in rows]
+
+    joins = True
+
+    def join(self, other: "NgramDrafter") -> None:
+        self.texts += other.texts
+        self.index += other.index

@@ -22,3 +22,8 @@ class NoDrafter(Drafter):
 
     def select(self, rows) -> None:
         self.rows = len(rows)
+
+    joins = True
+
+    def join(self, other: "NoDrafter") -> None:
+        self.rows += other.rows

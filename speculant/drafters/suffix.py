@@ -114,6 +114,14 @@ class SuffixDrafter(Drafter):
         self.seqs = [self.seqs[r] for r in rows]
         self.prompt_keys = [self.prompt_keys[r] for r in rows]
 
+    joins = True
+
+    def join(self, other: "SuffixDrafter") -> None:
+        self.local += other.local
+        self.texts += other.texts
+        self.seqs += other.seqs
+        self.prompt_keys += other.prompt_keys
+
     def _best(self, row: int, budget: int) -> Draft:
         """The draft with the highest expected accepted length over the matched context lengths of
         both tries. A draft from a match of m tokens has at most min(budget, spec_factor·m +

@@ -54,6 +54,7 @@ class Backend:
         self.name = "general"
         self.dtype_choice: str | None = None  # how dtype "auto" chose (api.load), for the stats
         self.caches: dict[tuple[int, int], tuple[list, list]] = {}
+        self.in_use: set[tuple[int, int]] = set()  # shapes whose cache a live batch holds
         if self.fast is not None:
             self.name = "fast+compiled" if compile else "fast"
             if device.type == "cuda" and (graphs is None or graphs):
@@ -76,6 +77,9 @@ class Backend:
         if self.fast is None:
             return KVState(self.model, batch)
         size = -(-max_tokens // 256) * 256  # round up: fewer distinct shapes to capture or compile
+        if (batch, size) in self.in_use:  # another live batch holds that one: a cache of its own (not graphed)
+            return StaticKVState(self.fast, self.fast.new_cache(batch, size))
+        self.in_use.add((batch, size))
         # one cache per shape, reused by later requests, so captured graphs stay valid and replay
         if (batch, size) not in self.caches:
             if len(self.caches) >= 4:  # keep memory bounded: drop the oldest cache and its graphs
@@ -84,4 +88,10 @@ class Backend:
                     self.step.forget(*self.caches[old])
                 del self.caches[old]
             self.caches[(batch, size)] = self.fast.new_cache(batch, size)
-        return StaticKVState(self.fast, self.caches[(batch, size)], self.step)
+        state = StaticKVState(self.fast, self.caches[(batch, size)], self.step)
+        state.cache_key = (batch, size)
+        return state
+
+    def release(self, state) -> None:
+        """A batch is done with ``state``: its shared cache may serve the next one."""
+        self.in_use.discard(getattr(state, "cache_key", None))

@@ -274,6 +274,14 @@ def _matmul_bytes(layers: list[dict], head) -> int:
     return sum(t.numel() * t.element_size() for t in weights)
 
 
+def cat_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The rows of two static caches [B, heads, slots, D] in one, as many slots as the larger."""
+    out = a.new_zeros(a.shape[0] + b.shape[0], a.shape[1], max(a.shape[2], b.shape[2]), a.shape[3])
+    out[: a.shape[0], :, : a.shape[2]] = a
+    out[a.shape[0] :, :, : b.shape[2]] = b
+    return out
+
+
 class StaticKVState:
     """KVState's interface over a static cache: ``lengths`` pointers, ``rollback`` moves them.
 
@@ -360,6 +368,16 @@ class StaticKVState:
             self.keys = [k[rows] for k in self.keys]
             self.values = [v[rows] for v in self.values]
         self.ptr = self.ptr[rows]
+
+    joins = True
+
+    def join(self, other: "StaticKVState") -> None:
+        """Append ``other``'s rows (a new cache holding both: the larger size, padded)."""
+        self.keys = [cat_rows(a, b) for a, b in zip(self.keys, other.keys)]
+        self.values = [cat_rows(a, b) for a, b in zip(self.values, other.values)]
+        self.ptr = torch.cat([self.ptr, other.ptr])
+        self.size, self.step = self.keys[0].shape[2], self.fast.forward  # a cache of its own: no captured graphs
+        self.cache_key = None
 
     def valid_kv(self, row: int, layer: int = 0):
         n = int(self.ptr[row])

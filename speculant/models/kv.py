@@ -95,6 +95,30 @@ class KVState:
         self.valid = self.valid[rows]
         self._trim()
 
+    @property
+    def joins(self) -> bool:
+        """Rows of another state can join when every layer keeps its whole cache (not a sliding window)."""
+        return all(type(layer).__name__ == "DynamicLayer" for layer in self.cache.layers)
+
+    def join(self, other: "KVState") -> None:
+        """Append ``other``'s rows: both padded to the same columns with invalid (hidden) slots in
+        front; positions come from each row's valid count, so they are unchanged."""
+        width = max(self.length, other.length)
+
+        def front(t, n):  # n zero (hidden) columns in front of t's column axis (-2; -1 for the mask)
+            if not n:
+                return t
+            axis = -1 if t.dim() == 2 else -2
+            shape = list(t.shape)
+            shape[axis] = n
+            return torch.cat([t.new_zeros(shape), t], dim=axis)
+
+        a, b = width - self.length, width - other.length
+        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+            mine.keys = torch.cat([front(mine.keys, a), front(theirs.keys.to(mine.keys.device), b)])
+            mine.values = torch.cat([front(mine.values, a), front(theirs.values.to(mine.values.device), b)])
+        self.valid = torch.cat([front(self.valid, a), front(other.valid, b)])
+
     def _layers(self):
         return [layer for layer in self.cache.layers if getattr(layer, "keys", None) is not None]
 
