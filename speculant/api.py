@@ -7,7 +7,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from .drafters import Drafter, ModelDrafter, default_drafter, make_drafter, validate_drafter_spec
-from .engine import Engine, Request, Row
+from .engine import Batch, Engine, Request, Row
 from .errors import SpeculantError
 from .models.backend import PATHS, Backend
 from .models.cpu_choice import choose as choose_cpu_dtype
@@ -134,14 +134,15 @@ class Generator:
         req = self._request(prompt_ids, max_new_tokens, gamma, seed, stop, sampling)
         return self.engine.run(req)
 
-    def stream_batch(self, prompt_ids: list[list[int]], max_new_tokens: list[int], stops: list, gamma=None,
-                     seed=None, cancelled=None, speculate: bool = True, **sampling):
-        """Like stream_ids, with a token budget and stop strings per prompt (lists) and
-        ``cancelled(row) -> bool`` to end a row early: rows of one batch that differ only in those.
-        ``speculate=False``: plain decoding through the same engine (for comparison)."""
+    def start_batch(self, prompt_ids: list[list[int]], max_new_tokens: list[int], stops: list, gamma=None,
+                    seed=None, cancelled=None, speculate: bool = True, **sampling) -> Batch:
+        """Prefill a batch to be stepped pass by pass (``engine.step``), joined between passes by
+        other batches of the same settings (``engine.join``: continuous batching) and finished
+        (``engine.finish``). A token budget and stop strings per prompt (lists), ``cancelled(row) ->
+        bool`` to end a row early; ``speculate=False``: plain decoding through the same engine."""
         req = self._request(prompt_ids, list(max_new_tokens), gamma, seed, [list(x or []) for x in stops], sampling,
                             cancelled, speculate)
-        return self.engine.run(req)
+        return self.engine.start(req)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""

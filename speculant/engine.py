@@ -116,6 +116,12 @@ class Row:
     finished: bool = False
     finish_reason: str | None = None
     stats: Stats = field(default_factory=Stats)
+    t0: float = 0.0  # when its request started (perf_counter)
+
+    def close(self) -> None:
+        """The row's final stats (its time from its own start: rows join batches at other times)."""
+        self.stats.seconds = time.perf_counter() - self.t0
+        self.stats.new_tokens = len(self.tokens)
 
 
 @dataclass
@@ -194,6 +200,8 @@ class Engine:
         most = req.gamma if isinstance(req.gamma, int) else self._gamma_max(req, drafter)
         auto = GammaController(n, most, costs=self.costs) if req.gamma == "auto" else None
         t0 = time.perf_counter()
+        for r in rows:
+            r.t0 = t0
         longest = max(len(p) for p in req.prompts)
         max_tokens = min(longest + max(r.limit for r in rows), self.context_length) + 2 * most + 2
         state = self.backend.new_state(n, max_tokens)
@@ -217,7 +225,7 @@ class Engine:
         fed = [h[:0] for h in prompt_hidden] if taps else None
         self.drafter_busy |= drafter is self.drafter
         return Batch(rows, list(range(n)), req, proc, generator, state, drafter, history, auto, taps, pending,
-                     [[t] for t in pending.tolist()], [0] * n, fed, logprobs, t0)
+                     [[t] for t in pending.tolist()], [0] * n, fed, logprobs)
 
     def step(self, batch: "Batch") -> Iterator[tuple[int, list[int]]]:
         """One pass: hand out the tokens the last pass accepted (rows that end leave the batch),
@@ -269,10 +277,9 @@ class Engine:
         batch.drafter.finish()
         if batch.drafter is self.drafter:
             self.drafter_busy = False
-        total = time.perf_counter() - batch.t0
         for r in batch.rows:
-            r.stats.seconds = total
-            r.stats.new_tokens = len(r.tokens)
+            if not r.finished:  # the caller stopped early
+                r.close()
         return batch.rows
 
     def _gamma_max(self, req: Request, drafter: Drafter) -> int:
@@ -402,6 +409,7 @@ class Engine:
                 yield r, Emitted(added, min(len(added), len(new) - 1))
             if row.finish_reason:
                 row.finished = True
+                row.close()
             else:
                 still.append(r)
                 keep_slots.append(slot)
@@ -440,7 +448,6 @@ class Batch:
     n_acc: list[int]
     fed: list | None  # per slot, hidden states of the tokens the last pass cached
     logprobs: list | None
-    t0: float
     done: bool = False
 
     def shrink(self, keep: list[int]) -> None:
@@ -455,16 +462,21 @@ class Batch:
         self.fed = [self.fed[i] for i in keep] if self.fed is not None else None
         self.logprobs = [self.logprobs[i] for i in keep] if self.logprobs is not None else None
 
+    @property
+    def accepts_rows(self) -> bool:
+        """Rows of another batch may join: no seed of its own (a seeded row runs alone, so its text
+        does not depend on what else runs) and parts that know how to join."""
+        return self.req.seed is None and not self.done and all(
+            x is None or getattr(x, "joins", False) for x in (self.state, self.drafter, self.history, self.auto))
+
     def can_join(self, other: "Batch") -> bool:
-        """Whether ``other``'s rows may join: the same settings, no seed of its own (a seeded row runs
-        alone so its text does not depend on what else runs), parts that know how to join."""
+        """Whether ``other``'s rows may join this batch: both accept rows, the same settings, the same parts."""
         a, b = self.req, other.req
         same = (a.params == b.params and a.gamma == b.gamma and a.logprobs == b.logprobs
-                and a.gamma_max == b.gamma_max and a.seed is None and b.seed is None)
+                and a.gamma_max == b.gamma_max)
         parts = [(self.state, other.state), (self.drafter, other.drafter), (self.history, other.history),
                  (self.auto, other.auto)]
-        return same and not self.done and not other.done and all(
-            x is None or type(x) is type(y) and getattr(x, "joins", False) for x, y in parts)
+        return same and self.accepts_rows and other.accepts_rows and all(type(x) is type(y) for x, y in parts)
 
     def join(self, other: "Batch") -> None:
         """Take ``other``'s rows (a batch just started, or stepped apart) into this one."""

@@ -211,3 +211,59 @@ def test_device_map_loads_with_accelerate_and_a_split_model_runs_on_the_general_
         assert Backend(model, "auto", quiet=True).name == "general"
     finally:
         model.hf_device_map = placed
+
+
+def _joining_drafter(kind, target, tmp_path):
+    from speculant.drafters import SuffixDrafter
+
+    if kind == "eagle":
+        from speculant.drafters.eagle import load_eagle
+        from test_eagle import _random_eagle_folder
+
+        return load_eagle(_random_eagle_folder(tmp_path, target, scale=0.3), target, "tiny")
+    if kind == "dflash":
+        from speculant.drafters.dflash import load_dflash
+        from test_dflash import _random_drafter_folder
+
+        return load_dflash(_random_drafter_folder(tmp_path, target), target, "tiny")
+    if kind == "medusa":
+        from speculant.drafters.medusa import load_medusa
+        from test_medusa import _random_medusa_folder
+
+        return load_medusa(_random_medusa_folder(tmp_path, target), target, "tiny")
+    return {"none": NoDrafter, "ngram": NgramDrafter, "suffix": lambda: SuffixDrafter(share=False)}[kind]()
+
+
+@pytest.mark.parametrize("path", ["general", "fast"])
+@pytest.mark.parametrize("kind", ["none", "ngram", "suffix", "eagle", "dflash", "medusa"])
+def test_rows_joining_a_running_batch_decode_as_alone(tmp_path, path, kind):
+    """Continuous batching: batches started later join a running one between passes (rows at
+    different lengths, caches of different sizes, drafter and controller state carried over); every
+    row's text is still the target's greedy text, and rows leave as they end."""
+    from speculant.models import LoadedModel
+
+    target = tiny_llama(0, layers=3)
+    gen = speculant.Generator(LoadedModel(target, None, "tiny"), _joining_drafter(kind, target, tmp_path),
+                              gamma="auto", path=path)
+    g = torch.Generator().manual_seed(7)
+    prompts = [(torch.randint(1, 96, (4,), generator=g).tolist() * 6)[: 4 + 5 * i] for i in range(5)]
+    limits = [24, 8, 20, 30, 12]
+    engine = gen.engine
+    running = gen.start_batch(prompts[:2], limits[:2], [[], []])
+    got = {}
+    for step, joining in enumerate([None, None, (2, 4), None, (4, 5)] + [None] * 60):
+        if joining is not None:
+            lo, hi = joining
+            other = gen.start_batch(prompts[lo:hi], limits[lo:hi], [[]] * (hi - lo))
+            assert running.can_join(other)
+            engine.join(running, other)
+        for r, new in engine.step(running):
+            got.setdefault(r, []).extend(new)
+        if running.done:
+            break
+    rows = engine.finish(running)
+    assert len(rows) == 5 and all(r.finished for r in rows)
+    for p, n, row in zip(prompts, limits, rows):
+        ref = hf_greedy(target, p, n)
+        assert row.tokens == ref, mismatch_report(target, p, ref, row.tokens)
+    assert [got[r] for r in range(5)] == [row.tokens for row in rows]

@@ -11,6 +11,7 @@ import gc
 import statistics
 import threading
 import time
+import types
 
 import httpx
 import openai
@@ -227,15 +228,20 @@ def test_scheduler_groups_compatible_jobs_and_refuses_past_its_queue():
     seen = []
 
     class Recorder:
-        """Stands in for a Generator: records each batch's prompts, blocks until released."""
+        """Stands in for a Generator (and its engine): records each batch's prompts, blocks until
+        released; its batches end at once (so none takes joiners)."""
 
         def __init__(self):
             self.release = threading.Event()
+            self.engine = self
 
-        def stream_batch(self, prompts, max_tokens, stops, seed=None, cancelled=None, **sampling):
+        def start_batch(self, prompts, max_tokens, stops, seed=None, cancelled=None, **sampling):
             self.release.wait(10)
             seen.append([p[0] for p in prompts])
-            return iter(())
+            return types.SimpleNamespace(done=True, rows=[], active=[])
+
+        def finish(self, batch):
+            return []
 
         def outputs(self, rows, stop):
             return []
@@ -310,19 +316,52 @@ def test_load_1000_requests_64_concurrent_then_memory_stays_flat(served_plain_ke
     assert rss[-1] - rss[0] < 24, rss
 
 
-def test_two_open_streams_of_one_generator_fail_clearly_instead_of_mixing_state(folder):
+def test_two_streams_of_one_generator_advanced_alternately_give_their_texts_alone(folder):
+    """Each stream is a batch of its own (its own cache and drafter state), so streams of one
+    Generator may be advanced in any order: greedy, and sampled with a seed and a fixed γ."""
     gen = _gen(folder)
-    first = gen.stream("w5 w6 w7", max_new_tokens=12, chat_template=False)
-    next(first)
-    second = gen.stream("w9 w8", max_new_tokens=12, chat_template=False)
-    with pytest.raises(speculant.SpeculantError, match="already generating"):
-        next(second)
-    rest = list(first)
-    assert rest or gen.last.text  # the first stream was not disturbed
-    text = gen.last.text
-    alone = gen.generate("w5 w6 w7", max_new_tokens=12, chat_template=False).text
-    assert text == alone
+    prompts = ["w5 w6 w7", "w9 w8", "w3 w3 w4 w4"]
+    for kw in ({}, {"temperature": 0.9, "seed": 3, "gamma": 3}):
+        alone = [gen.generate(p, max_new_tokens=12, chat_template=False, **kw).text for p in prompts]
+        streams = [gen.stream(p, max_new_tokens=12, chat_template=False, **kw) for p in prompts]
+        texts, live = [""] * 3, [True] * 3
+        while any(live):
+            for i in (2, 0, 1):
+                if live[i]:
+                    try:
+                        texts[i] += next(streams[i])
+                    except StopIteration:
+                        live[i] = False
+        assert texts == alone, kw
+        if not kw:
+            greedy = alone
     closed = gen.stream("w1 w2", max_new_tokens=12, chat_template=False)
     next(closed)
-    closed.close()  # closing a stream frees the generator
-    assert gen.generate("w9 w8", max_new_tokens=12, chat_template=False).text
+    closed.close()  # closing a stream gives its caches and drafter back
+    assert not gen.engine.drafter_busy
+    assert gen.generate("w9 w8", max_new_tokens=12, chat_template=False).text == greedy[1]
+
+
+def test_requests_arriving_mid_batch_join_it_and_answer_as_alone(folder):
+    """Continuous batching: a compatible request that arrives while a batch runs is prefilled and
+    joins it between passes (the pass sizes show two rows decoded together), and both answers are
+    what each gives alone; a request with other settings waits for its own batch."""
+    gen = _gen(folder)
+    sizes = []
+    s = Served(gen)
+    sched = s.scheduler
+    record = sched.on_pass
+    sched.on_pass = lambda rows: (sizes.append(rows), record(rows))
+    try:
+        client = s.client()
+        alone = [client.completions.create(model="tiny", prompt=p, max_tokens=n, temperature=0).choices[0].text
+                 for p, n in (("w5 w6 w7", 40), ("w9 w8", 12))]
+        sizes.clear()
+        long = client.completions.create(model="tiny", prompt="w5 w6 w7", max_tokens=40, temperature=0, stream=True)
+        first = [next(long)]  # the long request is running
+        short = client.completions.create(model="tiny", prompt="w9 w8", max_tokens=12, temperature=0)
+        text_long = "".join(c.choices[0].text for c in first + list(long))
+    finally:
+        s.close()
+    assert [text_long, short.choices[0].text] == alone
+    assert max(sizes) == 2, sizes

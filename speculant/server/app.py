@@ -101,7 +101,7 @@ def create_app(generator, model_name: str = "default", api_key: str | None = Non
     def start():
         sched = Scheduler(generator, max_batch_size, max_queue)
         metrics = Metrics(sched.queue_depth, sched.batch_size)
-        sched.on_batch = metrics.record_batch
+        sched.on_done, sched.on_pass = metrics.record_done, metrics.record_pass
         state.update(scheduler=sched, metrics=metrics)
 
     start()

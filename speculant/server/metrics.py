@@ -32,7 +32,7 @@ class Metrics:
         self.queue.set_function(scheduler_depth)
         self.batch = Gauge("speculant_running_rows", "rows in the batch being decoded", registry=r)
         self.batch.set_function(running_rows)
-        self.batch_sizes = Histogram("speculant_batch_size", "rows per batch", registry=r,
+        self.batch_sizes = Histogram("speculant_batch_size", "rows decoded together, per target pass", registry=r,
                                      buckets=(1, 2, 4, 8, 16, 32, 64, 128))
         self.latency = Histogram("speculant_request_latency_seconds", "request arrival to last token",
                                  registry=r, buckets=LATENCY_BUCKETS)
@@ -41,9 +41,12 @@ class Metrics:
         self.queue_wait = Histogram("speculant_queue_seconds", "arrival to the start of its batch", registry=r,
                                     buckets=LATENCY_BUCKETS)
 
-    def record_batch(self, jobs, outputs, seconds: float) -> None:
-        """Called by the scheduler's owner thread after each batch."""
-        self.batch_sizes.observe(len(jobs))
+    def record_pass(self, rows: int) -> None:
+        """Called by the scheduler's owner thread after each pass."""
+        self.batch_sizes.observe(rows)
+
+    def record_done(self, jobs, outputs) -> None:
+        """Called by the scheduler's owner thread as jobs finish."""
         t = self.totals
         for job, out in zip(jobs, outputs):
             s = out.stats

@@ -2,11 +2,12 @@
 
 Every request becomes one *job* per choice (``n`` choices: ``n`` jobs). The owner thread is the only
 code that touches the Generator (its engine, KV caches and drafter state), so concurrent clients
-never share mutable state. It takes the oldest waiting job and, up to ``max_batch_size``, the
-waiting jobs of the same *group* (equal sampling settings; a seeded request only with its own
-choices, so a seed gives the same text whatever else is waiting), and runs them as one batch.
-Rows leave the batch as they finish (EOS, stop, length, cancel); jobs that arrive meanwhile wait
-for the next batch (batching by waves: rows do not yet join a running batch).
+never share mutable state. It starts a batch with the oldest waiting job and, up to
+``max_batch_size``, the waiting jobs of the same *group* (equal sampling settings; a seeded request
+only with its own choices, so a seed gives the same text whatever else is waiting). Between passes,
+jobs of that group that arrived meanwhile are prefilled and **join the running batch** (continuous
+batching), as long as there is room and the drafter can take rows of another batch; rows leave
+as they finish (EOS, stop, length, cancel) and their client hears at once.
 
 A job's tokens reach its ``sink`` as they are accepted: ("tokens", Emitted), then ("done", Output)
 or ("error", message). Sinks are called from the owner thread and must not block.
@@ -41,15 +42,17 @@ class Job:
     cancelled: bool = False
     queued_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
+    reported: bool = False  # its done (or error) event went out
 
 
 class Scheduler:
-    def __init__(self, generator, max_batch_size: int = 32, max_queue: int = 256, on_batch=None):
+    def __init__(self, generator, max_batch_size: int = 32, max_queue: int = 256, on_done=None, on_pass=None):
         if max_batch_size < 1 or max_queue < 1:
             raise SpeculantError("max_batch_size and max_queue must be >= 1")
         self.gen = generator
         self.max_batch_size, self.max_queue = max_batch_size, max_queue
-        self.on_batch = on_batch  # callable(jobs, outputs, seconds): metrics
+        self.on_done = on_done  # callable(jobs, outputs): metrics of finished jobs
+        self.on_pass = on_pass  # callable(rows): metrics of each pass's batch size
         self.waiting: deque[Job] = deque()
         self.running: list[Job] = []
         self.lock = threading.Condition()
@@ -96,47 +99,79 @@ class Scheduler:
             if self.closed:
                 return []
             first = self.waiting.popleft()
-            batch = [first] + [j for j in self.waiting if j.group == first.group]
-            batch = batch[: self.max_batch_size]
-            for j in batch[1:]:
-                self.waiting.remove(j)
-            self.running = batch
-            return batch
+            return [first] + self._take(first.group, self.max_batch_size - 1)
+
+    def _take(self, group, room: int) -> list[Job]:
+        """Up to ``room`` waiting jobs of ``group``, out of the queue and into the running set (lock held)."""
+        taken = [j for j in self.waiting if j.group == group][: max(0, room)]
+        for j in taken:
+            self.waiting.remove(j)
+        self.running += taken
+        return taken
 
     def _loop(self) -> None:
         while True:
-            batch = self._next_batch()
-            if not batch:
+            jobs = self._next_batch()
+            if not jobs:
                 return
+            with self.lock:
+                self.running = list(jobs)
             try:
-                self._run(batch)
+                self._run(jobs)
             except SpeculantError as e:
-                for j in batch:
-                    j.sink(("error", str(e)))
+                self._fail(str(e))
             except Exception as e:  # keep serving: report it to this batch's clients and the log
                 log.exception("batch failed")
-                for j in batch:
-                    j.sink(("error", f"internal error: {type(e).__name__}: {e}"))
+                self._fail(f"internal error: {type(e).__name__}: {e}")
             finally:
                 with self.lock:
                     self.running = []
 
-    def _run(self, batch: list[Job]) -> None:
+    def _fail(self, message: str) -> None:
+        for j in self.running:
+            if not j.reported:
+                j.sink(("error", message))
+
+    def _start(self, jobs: list[Job]):
         t0 = time.monotonic()
-        for j in batch:
+        for j in jobs:
             j.started_at = t0
-        head = batch[0]
-        it = self.gen.stream_batch([j.prompt for j in batch], [j.max_tokens for j in batch], [j.stop for j in batch],
-                                   seed=head.seed, cancelled=lambda r: batch[r].cancelled, **head.sampling)
-        while True:
-            try:
-                r, new = next(it)
-            except StopIteration as done:
-                rows = done.value
-                break
-            batch[r].sink(("tokens", new))
-        outputs = self.gen.outputs(rows, [j.stop for j in batch])
-        for j, out in zip(batch, outputs):
-            j.sink(("done", out))
-        if self.on_batch is not None:
-            self.on_batch(batch, outputs, time.monotonic() - t0)
+        head = jobs[0]
+        return self.gen.start_batch([j.prompt for j in jobs], [j.max_tokens for j in jobs], [j.stop for j in jobs],
+                                    seed=head.seed, cancelled=lambda r: jobs[r].cancelled, **head.sampling)
+
+    def _run(self, first: list[Job]) -> None:
+        """Step one batch until its last row ends, taking in compatible jobs between passes."""
+        engine, jobs = self.gen.engine, list(first)  # jobs[r]: the job of the batch's row r
+        batch = self._start(jobs)
+        try:
+            while not batch.done:
+                room = self.max_batch_size - len(batch.active)
+                if room > 0 and batch.accepts_rows:
+                    with self.lock:
+                        joiners = self._take(first[0].group, room)
+                    if joiners:
+                        engine.join(batch, self._start(joiners))
+                        jobs += joiners
+                for r, new in engine.step(batch):
+                    jobs[r].sink(("tokens", new))
+                self._report(batch, jobs)
+                if self.on_pass is not None and batch.active:
+                    self.on_pass(len(batch.active))
+        finally:
+            engine.finish(batch)
+        self._report(batch, jobs)
+
+    def _report(self, batch, jobs: list[Job]) -> None:
+        """Tell the jobs whose rows have ended."""
+        ended = [r for r, row in enumerate(batch.rows) if row.finished and not jobs[r].reported]
+        if not ended:
+            return
+        outputs = self.gen.outputs([batch.rows[r] for r in ended], [jobs[r].stop for r in ended])
+        for r, out in zip(ended, outputs):
+            jobs[r].reported = True
+            jobs[r].sink(("done", out))
+        with self.lock:
+            self.running = [j for j in self.running if not j.reported]
+        if self.on_done is not None:
+            self.on_done([jobs[r] for r in ended], outputs)
