@@ -365,3 +365,27 @@ def test_requests_arriving_mid_batch_join_it_and_answer_as_alone(folder):
         s.close()
     assert [text_long, short.choices[0].text] == alone
     assert max(sizes) == 2, sizes
+
+
+def test_streamed_text_is_incremental_and_never_shows_what_a_stop_string_cuts(folder):
+    """TextStream decodes only the new tokens with the piece before them: the pieces add up to the
+    whole text however the tokens arrive, and with a stop string every piece shown stays a prefix
+    of the final (cut) text: the start of a stop string is held back until it is known."""
+    import random
+
+    from speculant.api import TextStream, _cut_at_stop
+
+    gen = _gen(folder)
+    rng = random.Random(0)
+    for trial in range(20):
+        ids = [rng.randrange(2, 96) for _ in range(40)]
+        full = gen.decode(ids)
+        stop = [gen.decode(ids[25:27])] if trial % 2 else None  # a stop string the text contains
+        final = _cut_at_stop(full, stop)
+        stream, shown, i = TextStream(gen.decode, stop), "", 0
+        while i < len(ids):
+            k = rng.randint(1, 4)
+            shown += stream.add(ids[i : i + k])
+            assert final.startswith(shown), (shown, final)
+            i += k
+        assert shown + stream.finish(final) == final
