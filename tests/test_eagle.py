@@ -236,3 +236,19 @@ def test_refusals_are_one_line(tmp_path, capsys):
     code = main(["generate", "hi", "--drafter", f"eagle:{tmp_path / 'missing'}"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "no config.json" in err, err
+
+
+def test_stopping_the_tree_early_leaves_the_proposal_unchanged(trained, monkeypatch):
+    """Deepening stops once no deeper node could enter the best `gamma`: the proposal is the first
+    `gamma` nodes of the whole tree grown to full depth."""
+    import speculant.drafters.eagle as eagle
+
+    monkeypatch.setattr(eagle, "MIN_SCORE", 0.0)
+    target, folder = trained[:2]
+    ids = [5, 9, 13, 5, 9, 13, 5, 9]
+    for budget in (3, 8, 16, 40):
+        cut = _drafter_after(load_eagle(folder, target, "tiny"), target, ids, 13).propose(budget)
+        whole = _drafter_after(load_eagle(folder, target, "tiny"), target, ids, 13).propose(10**6)
+        n = int(cut.lengths[0])
+        assert n == min(budget, int(whole.lengths[0]))
+        assert torch.equal(cut.tokens[0, :n], whole.tokens[0, :n]) and torch.equal(cut.parents[0, :n], whole.parents[0, :n])

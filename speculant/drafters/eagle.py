@@ -12,7 +12,9 @@ last pair's output state drafts the tree:
   expanded node reads its own token and its parent's output state, attends to the accepted text
   and to its ancestors only, and offers its ``TOP_K`` most probable children;
 - all nodes are ranked by score and listed best first (a child never outranks its parent), so any
-  prefix is a tree and the engine keeps the nodes worth verifying.
+  prefix is a tree and the engine keeps the nodes worth verifying. Deepening stops as soon as no
+  node of the next depth could enter the best ``gamma`` (its parent already scores below them),
+  which leaves the proposal unchanged and saves the forwards.
 
 The tree is a deterministic function of the accepted text (q one-hot), so greedy and sampled
 verification both stay exact. Draft K/V live after the accepted text's and are overwritten by the
@@ -167,8 +169,10 @@ class EagleDrafter(Drafter):
         first, rows = 0, torch.arange(B, device=dev)[:, None]
         for d in range(1, min(DEPTH, max(gamma, 1))):
             level = slice(first, score.shape[1])
-            if float(score[:, level].max().exp()) < MIN_SCORE:
-                break
+            best = score[:, level].max(-1).values  # no deeper node can score above its level's best
+            kth = score.topk(min(gamma, score.shape[1]), -1).values[:, -1]
+            if float(best.max().exp()) < MIN_SCORE or (score.shape[1] >= gamma and bool((best <= kth).all())):
+                break  # too unlikely, or nothing deeper could enter the best `gamma` nodes: the tree is final
             w = min(BEAM, level.stop - level.start)
             pick = score[:, level].topk(w, -1).indices + first  # [B, w] candidates to expand
             e = torch.arange((d - 1) * BEAM, (d - 1) * BEAM + w, device=dev)
