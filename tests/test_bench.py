@@ -306,8 +306,10 @@ def test_cli_errors_exit_2_with_one_line(tiny, tmp_path, capsys):
     assert "line 2" in err and len(err.strip().splitlines()) == 1
     assert main(["bench", "--prompts", tiny["prompts"], "--categories", "gamma", "--target", tiny["target"]]) == 2
     assert "unknown category gamma" in capsys.readouterr().err
-    assert main(["bench", "--prompts", tiny["prompts"], "--drafters", "eagle", "--target", tiny["target"]]) == 2
+    assert main(["bench", "--prompts", tiny["prompts"], "--drafters", "hawk", "--target", tiny["target"]]) == 2
     assert "unknown drafter" in capsys.readouterr().err
+    assert main(["bench", "--prompts", tiny["prompts"], "--drafters", "eagle", "--target", tiny["target"]]) == 2
+    assert "no eagle drafter ships for" in capsys.readouterr().err
 
 
 def test_drafter_list_keeps_cascade_specs_whole():

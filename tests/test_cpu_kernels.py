@@ -9,7 +9,8 @@ from speculant.errors import SpeculantError
 from speculant.models import LoadedModel, cpu_kernels
 from speculant.models.cpu_kernels import PackedLinear, onednn_packs
 from speculant.models.fast import FastLlama
-from helpers import KERNEL_CHOICES, hf_greedy, mismatch_report, perturbed, tiny_llama
+from helpers import (KERNEL_CHOICES, assert_same_or_bf16_near_tie, hf_greedy, mismatch_report, perturbed,
+                     tiny_llama)
 
 
 def test_the_bf16_probe_says_whether_packing_works():
@@ -121,9 +122,10 @@ def test_float32_greedy_identical_to_hf_with_each_kernel_choice(choice, kind, ga
 @pytest.mark.parametrize("choice", KERNEL_CHOICES)
 @pytest.mark.parametrize("kind,gamma", [("none", 1), ("ngram", 4), ("model", 3), ("ngram", 8)])
 def test_bfloat16_fast_path_matches_hf_bfloat16_with_each_kernel_choice(choice, kind, gamma):
-    """Greedy output equals HF generate of the same bf16 model. Batch 1 only: in a padded batch bf16
-    matmuls round differently from HF's batch-1 reference on either path (seed 7, batch 4 diverges
-    at a logit gap of 0.002, one bf16 step, with or without packing); float32 covers batching."""
+    """Plain decoding equals HF generate of the same bf16 model bit for bit. A verify block of several
+    tokens is a different bf16 computation from HF's one-token steps (SDPA over a masked block rounds
+    differently; seed 7, ngram γ 4 parts at token 26 where HF's top two logits are 0.002 apart, one
+    bf16 step), so speculation may part from HF only at a bf16 near-tie; float32 covers exactness."""
     kernels = None if choice == "auto" else choice
     target = tiny_llama(7).to(torch.bfloat16)
     g = torch.Generator().manual_seed(107)
@@ -132,6 +134,9 @@ def test_bfloat16_fast_path_matches_hf_bfloat16_with_each_kernel_choice(choice, 
     gen = speculant.Generator(LoadedModel(target, None, "tiny"), _drafter(kind, target), gamma=gamma, path="fast",
                               kernels=kernels)
     out = gen.generate_ids([prompt], max_new_tokens=30)[0]
-    assert out.token_ids == ref, mismatch_report(target, prompt, ref, out.token_ids)
+    if kind == "none":
+        assert out.token_ids == ref, mismatch_report(target, prompt, ref, out.token_ids)
+    else:
+        assert_same_or_bf16_near_tie(target, prompt, ref, out.token_ids)
     if choice == "fp32-blocks":
         assert gen.backend.fast.kernels == "aten steps + onednn-packed fp32 blocks"

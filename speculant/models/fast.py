@@ -176,10 +176,11 @@ class FastLlama:
                 step = _MatmulSet(*packs[kplan.step_pack], decoder_layer)
             if kplan.block_pack is not None:
                 block = _MatmulSet(*packs[kplan.block_pack], decoder_layer)
-        # a prefill runs HF's own kernels where the steps do (bf16 without oneDNN bf16: aten's GEMV),
-        # so plain decoding starts from the very cache HF's does (uncompiled)
-        exact_prefill = not compile and step.layers is plain and block.layers is not plain
-        self.step_set, self.block_set, self.prefill_set = step, block, step if exact_prefill else block
+        # an uncompiled prefill runs HF's own F.linear calls, so plain decoding starts from the very
+        # cache HF's does: oneDNN's bf16 F.linear of 33+ rows rounds differently from the row-at-a-time
+        # packed kernels (AMX CPUs), and the prefill is paid once a request
+        prefill = block if compile else step if step.layers is plain else _MatmulSet(plain, self.lm_head, decoder_layer)
+        self.step_set, self.block_set, self.prefill_set = step, block, prefill
 
     def _packed(self, plain: list[dict], compute: torch.dtype, hint: int):
         """oneDNN-packed copies of every matmul weight (layers and the lm_head) computing in ``compute``.
