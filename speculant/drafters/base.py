@@ -1,4 +1,6 @@
-"""The drafter interface: the engine talks to every drafter through these four methods only."""
+"""The drafter interface: the engine talks to every drafter through these methods only (start, propose,
+update, select; observe_hidden for drafters that read the target's hidden states; fork, join and finish
+for batches that run side by side, join and end)."""
 from __future__ import annotations
 
 import copy

@@ -82,8 +82,9 @@ class Backend:
         self.in_use.add((batch, size))
         # one cache per shape, reused by later requests, so captured graphs stay valid and replay
         if (batch, size) not in self.caches:
-            if len(self.caches) >= 4:  # keep memory bounded: drop the oldest cache and its graphs
-                old = next(iter(self.caches))
+            idle = [k for k in self.caches if k not in self.in_use]
+            if len(self.caches) >= 4 and idle:  # keep memory bounded: drop the oldest idle cache and its graphs
+                old = idle[0]
                 if hasattr(self.step, "forget"):
                     self.step.forget(*self.caches[old])
                 del self.caches[old]

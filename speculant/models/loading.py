@@ -216,3 +216,9 @@ def load_model(spec: str, device: str | torch.device | None = None, dtype=None,
     loaded = LoadedModel(model=model, tokenizer=tokenizer, name=name)
     _LOADED[key] = loaded
     return loaded
+
+
+def forget_loaded(loaded: LoadedModel) -> None:
+    """Drop a model from the per-process memo (its weights are about to change, e.g. to float32)."""
+    for key in [k for k, v in _LOADED.items() if v is loaded]:
+        del _LOADED[key]

@@ -24,6 +24,7 @@ from typing import Callable
 from ..errors import SpeculantError
 
 log = logging.getLogger("speculant.server")
+MAX_ROWS_PER_BATCH = 1024  # rows one batch admits in its life: a batch keeps its finished rows until it ends
 
 
 class QueueFull(SpeculantError):
@@ -127,10 +128,15 @@ class Scheduler:
                 with self.lock:
                     self.running = []
 
-    def _fail(self, message: str) -> None:
-        for j in self.running:
+    def _fail(self, message, jobs: list[Job] | None = None) -> None:
+        """Tell these jobs (default: every running one) that their request failed."""
+        with self.lock:
+            jobs = list(self.running) if jobs is None else jobs
+            self.running = [j for j in self.running if j not in jobs]
+        for j in jobs:
             if not j.reported:
-                j.sink(("error", message))
+                j.reported = True
+                j.sink(("error", str(message)))
 
     def _start(self, jobs: list[Job]):
         t0 = time.monotonic()
@@ -140,18 +146,32 @@ class Scheduler:
         return self.gen.start_batch([j.prompt for j in jobs], [j.max_tokens for j in jobs], [j.stop for j in jobs],
                                     seed=head.seed, cancelled=lambda r: jobs[r].cancelled, **head.sampling)
 
+    def _joiners(self, group, room: int, admitted: int) -> list[Job]:
+        """Waiting jobs that may join the running batch now: of its group, only while no job of
+        another group waits ahead of them (first come, first served), and only up to
+        MAX_ROWS_PER_BATCH rows admitted (then the batch drains and ends, freeing its finished rows)."""
+        with self.lock:
+            if (room <= 0 or self.closed or not self.waiting or self.waiting[0].group != group
+                    or admitted >= MAX_ROWS_PER_BATCH):
+                return []
+            return self._take(group, min(room, MAX_ROWS_PER_BATCH - admitted))
+
     def _run(self, first: list[Job]) -> None:
         """Step one batch until its last row ends, taking in compatible jobs between passes."""
         engine, jobs = self.gen.engine, list(first)  # jobs[r]: the job of the batch's row r
         batch = self._start(jobs)
         try:
             while not batch.done:
-                room = self.max_batch_size - len(batch.active)
-                if room > 0 and batch.accepts_rows:
-                    with self.lock:
-                        joiners = self._take(first[0].group, room)
-                    if joiners:
-                        engine.join(batch, self._start(joiners))
+                joiners = self._joiners(first[0].group, self.max_batch_size - len(batch.active), len(jobs)) \
+                    if batch.accepts_rows else []
+                if joiners:
+                    try:
+                        joined = self._start(joiners)
+                    except Exception as e:  # only the joiners fail; the running rows go on
+                        self._fail(e if isinstance(e, SpeculantError) else f"internal error: {type(e).__name__}: {e}",
+                                   joiners)
+                    else:
+                        engine.join(batch, joined)
                         jobs += joiners
                 for r, new in engine.step(batch):
                     jobs[r].sink(("tokens", new))

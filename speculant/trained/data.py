@@ -192,4 +192,5 @@ def text_features(target, examples: list[Example], taps) -> list[Features]:
         logits, hidden = state.append(torch.tensor([ex.ids], device=target.device), taps=tuple(taps))
         out.append(Features(torch.tensor(ex.ids), ex.loss_from, hidden[0].to(torch.bfloat16).cpu(),
                             logits[0].argmax(-1).cpu()))
+        backend.release(state)
     return out

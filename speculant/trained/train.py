@@ -10,7 +10,7 @@ Stages, each cached in ``OUT.work/`` (delete it to start over; ``--resume`` pick
    decay), AdamW with warm-up and cosine decay, checkpoints every ``--checkpoint-every`` steps;
 4. evaluation on held-out sequences: per anchor, how many slots in a row match the target (the
    accepted run under greedy verification), so α per slot and τ = 1 + mean run;
-5. the folder: config.json + model.safetensors (bf16), loadable as ``--drafter dflash:OUT`` and by
+5. the folder: config.json + model.safetensors (bf16), loadable as ``--drafter KIND:OUT`` (or ``trained:OUT``) and by
    speculators / vLLM, plus ``speculant_training.json`` (command, data, time, metrics).
 """
 from __future__ import annotations
@@ -436,7 +436,7 @@ def feature_dtype(dtype: str, device: str | None) -> str:
 
 def run_train(s: TrainSettings, progress_bar: bool = True, log=print) -> dict:
     check_settings(s)
-    from ..models.loading import load_model
+    from ..models.loading import forget_loaded, load_model
 
     t0 = time.time()
     torch.manual_seed(s.seed)
@@ -460,6 +460,7 @@ def run_train(s: TrainSettings, progress_bar: bool = True, log=print) -> dict:
         for f in features:  # copies: the cached tensor with every tap is freed
             f.final = f.hidden[:, feature_taps.index(n_layers)].clone()
             f.hidden = f.hidden[:, [feature_taps.index(t) for t in taps]]
+        forget_loaded(target)  # later loads in this process get the target in the dtype they ask for
         model.float()  # the drafter trains in float32 beside the target's frozen embeddings and LM head
         rng.shuffle(features)
         held = features[: min(s.eval_sequences, max(1, len(features) // 10))]
@@ -554,7 +555,8 @@ def _network(s: TrainSettings, target, taps: list[int], draft_size: int, d2t, t2
             net.lm_head.weight.copy_(head.weight[rows])
         final_norm = getattr(getattr(model, "model", None), "norm", None)
         if s.kind == "eagle" and final_norm is not None:  # its effective scale, whatever its convention (Gemma: 1 + w)
-            net.norm.weight.copy_(final_norm(torch.ones(1, net.norm.weight.shape[0])).squeeze(0).float())
+            ones = torch.ones(1, net.norm.weight.shape[0], device=final_norm.weight.device, dtype=final_norm.weight.dtype)
+            net.norm.weight.copy_(final_norm(ones).squeeze(0).float())
     if s.kind == "dflash":
         trainer = DFlashTrainer(net, model.get_input_embeddings(), head, vocab, s.anchors)
     elif s.kind == "eagle":
