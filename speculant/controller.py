@@ -298,6 +298,16 @@ class GammaController:
             gamma = _argmax(lambda g: expected_tokens(prior, g) / costs.seconds(g), cap, start=1) if cap else 0
         return gamma, [gamma if (row_on or r) else 0 for row_on, r in zip(on, retry)]
 
+    def tree_budget(self, room: int) -> int:
+        """Nodes to ask a tree drafter for this pass: its whole budget (``choose_tree`` then keeps
+        what pays), or none while every row is off and none is due for a retry: the tree would be
+        cut to nothing, so its drafting (an EAGLE head's forwards for every row) is not paid."""
+        cap = max(0, min(self.gamma_max, room))
+        if any(self.on) or self._unmeasured(cap) is not None:
+            return cap
+        due = any(off + 1 >= wait for off, wait in zip(self.off_for, self.wait))
+        return cap if due else 0
+
     def choose_tree(self, scores, depths, lengths, budget: int) -> list[int]:
         """Nodes to verify per row from a best-first tree proposal (scores [B, N], sorted by the
         drafter, each node's estimated chance to be on the target's path; depths [B, N]): the width

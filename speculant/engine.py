@@ -310,7 +310,7 @@ class Engine:
         if auto is None:
             gamma = max(0, min(b.req.gamma, room))
         elif trees:
-            gamma = max(0, min(auto.gamma_max, room))
+            gamma = auto.tree_budget(room)
         else:
             gamma, caps = auto.choose(room)
         prop = b.drafter.propose(gamma) if gamma > 0 else self._empty(batch)

@@ -184,3 +184,32 @@ def test_an_expensive_retry_waits_long_and_the_next_request_remembers():
     nxt = GammaController(rows=1, gamma_max=8, retry_every=16, costs=costs)
     later = _run(nxt, 140, lambda caps: [0], lambda k: 1.0 if k == 1 else 1.6, draft_per_token=4.0)
     assert not any(later), later
+
+
+def test_a_tree_drafter_is_not_asked_to_draft_while_every_row_is_off():
+    """Trees that never pay are cut to nothing; after that the controller stops asking for them
+    (their drafting would be wasted) except for retries, which back off."""
+    import torch
+
+    ctl = GammaController(rows=2, gamma_max=8, retry_every=16)
+    asked = []
+    for _ in range(300):
+        budget = ctl.tree_budget(room=50)
+        asked.append(budget)
+        if budget == 0:  # what the engine does with an empty proposal
+            ctl.observe(0, 1, [0, 0], [0, 0], draft_seconds=0.0, verify_seconds=1.0)
+            continue
+        scores = torch.full((2, budget), 0.02)
+        depths = torch.arange(1, budget + 1).repeat(2, 1)
+        caps = ctl.choose_tree(scores, depths, torch.tensor([budget, budget]), budget)
+        width = max(caps) + 1
+        if width == 1:
+            ctl.observe(0, 1, [0, 0], [0, 0], draft_seconds=0.5, verify_seconds=1.0)
+        else:
+            ctl.observe_tree(width, caps, [0, 0], [[0.02] * c for c in caps], draft_seconds=0.5,
+                             verify_seconds=1.0 + 0.2 * width)
+    late = asked[50:]
+    assert 1 <= sum(b > 0 for b in late) <= len(late) // 16, asked
+    # a row whose tree pays keeps being asked every pass
+    ctl.on = [True, False]
+    assert ctl.tree_budget(room=50) == 8 and ctl.tree_budget(room=3) == 3
