@@ -206,12 +206,12 @@ class Engine:
         max_tokens = min(longest + max(r.limit for r in rows), self.context_length) + 2 * most + 2
         state = self.backend.new_state(n, max_tokens)
         try:
-            return self._prefill(req, rows, state, drafter, proc, generator, auto, most, max_tokens, t0)
+            return self._prefill(req, rows, state, drafter, proc, generator, auto, max_tokens, t0)
         except BaseException:  # a failed prefill (memory, a drafter's start) gives its cache back
             self.backend.release(state)
             raise
 
-    def _prefill(self, req, rows, state, drafter, proc, generator, auto, most, max_tokens, t0) -> "Batch":
+    def _prefill(self, req, rows, state, drafter, proc, generator, auto, max_tokens, t0) -> "Batch":
         dev, params, n = self.device, req.params, len(rows)
         tokens, valid = left_pad(req.prompts, dev)
         history = TokenHistory(req.prompts, self.vocab_size, dev, params) if params.uses_context else None

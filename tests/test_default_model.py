@@ -1,6 +1,5 @@
 """Greedy identity on the real default target, SmolLM2-135M-Instruct (token for token vs HF generate)."""
 import pytest
-import torch
 
 import speculant
 from speculant.drafters import ModelDrafter, make_drafter

@@ -11,7 +11,6 @@ import speculant
 from speculant.cli import main
 from speculant.drafters.dflash import load_dflash
 from speculant.errors import SpeculantError
-from speculant.models import LoadedModel
 from speculant.models.backend import Backend
 from speculant.trained.dflash import DFlashNet
 from speculant.trained.format import dflash_config, save_folder
