@@ -274,6 +274,10 @@ class GammaController:
                 return gamma
         return None
 
+    def _retry_due(self) -> list[bool]:
+        """Per row: whether it has waited long enough to be re-tried if it is off."""
+        return [off + 1 >= wait for off, wait in zip(self.off_for, self.wait)]
+
     def choose(self, room: int) -> tuple[int, list[int]]:
         """(γ for the pass, per-row draft caps) with γ <= room."""
         cap = max(0, min(self.gamma_max, room))
@@ -289,7 +293,7 @@ class GammaController:
             elif self.on[row] is False and self.off_for[row] == 0:  # the last pass was a retry, and it failed
                 self.wait[row] = max(min(8 * self.retry_every, 2 * self.wait[row]), self._first_wait())
         self.on = on
-        retry = [not row_on and off + 1 >= wait for row_on, off, wait in zip(on, self.off_for, self.wait)]
+        retry = [not row_on and due for row_on, due in zip(on, self._retry_due())]
         self.retrying = any(retry) and gamma == 0
         if self.retrying:
             # re-try with the γ the prior belief would pick (at least 1): cheap for a drafter whose
@@ -305,8 +309,7 @@ class GammaController:
         cap = max(0, min(self.gamma_max, room))
         if any(self.on) or self._unmeasured(cap) is not None:
             return cap
-        due = any(off + 1 >= wait for off, wait in zip(self.off_for, self.wait))
-        return cap if due else 0
+        return cap if any(self._retry_due()) else 0
 
     def choose_tree(self, scores, depths, lengths, budget: int) -> list[int]:
         """Nodes to verify per row from a best-first tree proposal (scores [B, N], sorted by the
@@ -325,7 +328,7 @@ class GammaController:
         real = torch.arange(scores.shape[1], device=scores.device)[None] < lengths[:, None]
         sc = (scores.float() * real)[:, :cap].cpu().tolist()
         dp = depths[:, :cap].cpu().tolist()
-        retry = [not on and off + 1 >= wait for on, off, wait in zip(self.on, self.off_for, self.wait)]
+        retry = [not on and due for on, due in zip(self.on, self._retry_due())]
         gains = []
         for row in range(batch):
             ratios = (RowCalibration() if retry[row] else self.calibration[row]).ratios(max(dp[row], default=0))

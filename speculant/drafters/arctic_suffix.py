@@ -61,7 +61,6 @@ class ArcticSuffixDrafter(Drafter):
     def start(self, ctx: DraftContext) -> None:
         self.finish()  # rows still open from an earlier request
         self.device = ctx.device
-        self.ids, self.texts = [], []
         for prompt in ctx.prompts:
             key = hash(tuple(prompt))
             if self.forget_same_prompt:

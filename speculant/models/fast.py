@@ -179,7 +179,7 @@ class FastLlama:
         # an uncompiled prefill runs HF's own F.linear calls, so plain decoding starts from the very
         # cache HF's does: oneDNN's bf16 F.linear of 33+ rows rounds differently from the row-at-a-time
         # packed kernels (AMX CPUs), and the prefill is paid once a request
-        prefill = block if compile else step if step.layers is plain else _MatmulSet(plain, self.lm_head, decoder_layer)
+        prefill = block if compile else _MatmulSet(plain, self.lm_head, decoder_layer)
         self.step_set, self.block_set, self.prefill_set = step, block, prefill
 
     def _packed(self, plain: list[dict], compute: torch.dtype, hint: int):

@@ -27,6 +27,15 @@ log = logging.getLogger("speculant.server")
 MAX_ROWS_PER_BATCH = 1024  # rows one batch admits in its life: a batch keeps its finished rows until it ends
 
 
+def _error_message(e: Exception, what: str) -> str:
+    """What a client is told of a failure: our one-line errors as they are; anything else is an
+    internal error, logged with its traceback."""
+    if isinstance(e, SpeculantError):
+        return str(e)
+    log.exception(what)
+    return f"internal error: {type(e).__name__}: {e}"
+
+
 class QueueFull(SpeculantError):
     pass
 
@@ -119,16 +128,13 @@ class Scheduler:
                 self.running = list(jobs)
             try:
                 self._run(jobs)
-            except SpeculantError as e:
-                self._fail(str(e))
-            except Exception as e:  # keep serving: report it to this batch's clients and the log
-                log.exception("batch failed")
-                self._fail(f"internal error: {type(e).__name__}: {e}")
+            except Exception as e:  # keep serving: report it to this batch's clients (and the log)
+                self._fail(_error_message(e, "batch failed"))
             finally:
                 with self.lock:
                     self.running = []
 
-    def _fail(self, message, jobs: list[Job] | None = None) -> None:
+    def _fail(self, message: str, jobs: list[Job] | None = None) -> None:
         """Tell these jobs (default: every running one) that their request failed."""
         with self.lock:
             jobs = list(self.running) if jobs is None else jobs
@@ -136,7 +142,7 @@ class Scheduler:
         for j in jobs:
             if not j.reported:
                 j.reported = True
-                j.sink(("error", str(message)))
+                j.sink(("error", message))
 
     def _start(self, jobs: list[Job]):
         t0 = time.monotonic()
@@ -168,8 +174,7 @@ class Scheduler:
                     try:
                         joined = self._start(joiners)
                     except Exception as e:  # only the joiners fail; the running rows go on
-                        self._fail(e if isinstance(e, SpeculantError) else f"internal error: {type(e).__name__}: {e}",
-                                   joiners)
+                        self._fail(_error_message(e, "joining requests failed"), joiners)
                     else:
                         engine.join(batch, joined)
                         jobs += joiners

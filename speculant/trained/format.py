@@ -31,11 +31,10 @@ def target_fingerprint(model: torch.nn.Module) -> dict:
 
 
 def target_differences(want: dict, have: dict) -> list[str]:
-    """What differs between two fingerprints. Checksums must agree within 0.1%: the default target's
-    differ by at most 0.008% between float32 and bfloat16 (plus 0.001 for folders that recorded them
-    to 3 decimals); a fine-tune of the same base (same shapes)
-    passes only if its embeddings moved less (an untouched embedding passes: output stays exact,
-    only the drafter's acceptance may suffer)."""
+    """What differs between two fingerprints. Checksums must agree within 0.1% (plus 0.001 for folders
+    that recorded them to 3 decimals): the default target's differ by at most 0.008% between float32
+    and bfloat16. A fine-tune of the same base (same shapes) passes only if its embeddings moved
+    less; output stays exact either way, only the drafter's acceptance may suffer."""
     problems = [k for k in ("hidden_size", "num_hidden_layers", "vocab_size") if want.get(k) != have[k]]
     sums = want.get("embed_checksum")
     if not problems and (not isinstance(sums, list) or len(sums) != len(have["embed_checksum"]) or any(
