@@ -20,9 +20,9 @@ import pytest
 import torch
 
 import speculant
+from speculant.errors import SpeculantError
 from speculant.server.app import create_app
 from speculant.server.background import BackgroundServer
-from speculant.errors import SpeculantError
 from speculant.server.scheduler import Job, QueueFull, Scheduler
 from helpers import hf_greedy, save_tiny_folder
 
@@ -270,8 +270,6 @@ def test_scheduler_joins_only_while_no_other_group_waits_ahead_and_a_failed_join
     """A running batch takes waiting jobs of its group between passes, but not past a job of another
     group that waits ahead of them (first come, first served: that job's batch starts when this one
     drains); a joiner whose prefill fails gets the error, the running rows go on."""
-    import types
-
     events = []
 
     class Passes:
