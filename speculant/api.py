@@ -35,6 +35,28 @@ def check_gamma(gamma) -> int | str:
     return gamma
 
 
+def _sampling_params(sampling: dict) -> tuple[SamplingParams, int | None]:
+    """Checked (SamplingParams, logprobs) from keyword settings."""
+    sampling = dict(sampling)
+    logprobs = check_logprobs(sampling.pop("logprobs", None))
+    try:
+        return SamplingParams(**sampling), logprobs
+    except TypeError as e:  # an unknown setting
+        raise SpeculantError(f"unknown sampling setting: {e}") from None
+
+
+def check_seed(seed, rows: int) -> None:
+    """None, an integer (row r samples with row_seed(seed, r)), or one integer or None per prompt."""
+    def ok(x):
+        return x is None or (isinstance(x, int) and not isinstance(x, bool))
+    if isinstance(seed, list):
+        if len(seed) != rows or not all(ok(x) for x in seed):
+            raise SpeculantError(f"seed must be an integer, or a list of {rows} integers (or None), one per prompt; "
+                                 f"got {seed!r}")
+    elif not ok(seed):
+        raise SpeculantError(f"seed must be an integer, got {seed!r}")
+
+
 def check_logprobs(n) -> int | None:
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
         raise SpeculantError(f"logprobs (alternatives per token) must be an integer >= 0, got {n!r}")
@@ -100,10 +122,17 @@ class Generator:
         return list(ids)
 
     def _request(self, prompt_ids, max_new_tokens, gamma, seed, stop, sampling, cancelled=None,
-                 speculate: bool = True) -> Request:
-        """A checked engine Request. ``max_new_tokens`` and ``stop`` may be lists, one per prompt."""
-        logprobs = check_logprobs(sampling.pop("logprobs", None))
-        params = SamplingParams(**sampling)
+                 speculate: bool = True, row_sampling: list[dict] | None = None) -> Request:
+        """A checked engine Request. ``max_new_tokens``, ``stop`` and ``seed`` may be lists, one per
+        prompt; ``row_sampling``: one dict of sampling settings (and logprobs) per prompt, over ``sampling``."""
+        row_sampling = sampling.pop("row_sampling", row_sampling)  # generate_ids(..., row_sampling=[...]) too
+        if row_sampling is not None:
+            if not isinstance(row_sampling, list) or len(row_sampling) != len(prompt_ids):
+                raise SpeculantError(f"row_sampling must be a list of {len(prompt_ids)} dicts, one per prompt")
+            rows = [_sampling_params(sampling | dict(d)) for d in row_sampling]
+            params, logprobs = [p for p, _ in rows], [n for _, n in rows]
+        else:
+            params, logprobs = _sampling_params(sampling)
         for m in max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens]:
             if not isinstance(m, int) or isinstance(m, bool) or m < 1:
                 raise SpeculantError(f"max_new_tokens must be an integer >= 1, got {m!r}")
@@ -123,6 +152,7 @@ class Generator:
                 raise SpeculantError(
                     f"the prompt is {len(ids)} tokens but the model's context is {limit} tokens: shorten the prompt"
                 )
+        check_seed(seed, len(prompt_ids))
         g = self.gamma if gamma is None else check_gamma(gamma)
         if self.drafter.name == "none" or not speculate:
             g = 0
@@ -135,13 +165,15 @@ class Generator:
         return self.engine.run(req)
 
     def start_batch(self, prompt_ids: list[list[int]], max_new_tokens: list[int], stops: list, gamma=None,
-                    seed=None, cancelled=None, speculate: bool = True, **sampling) -> Batch:
+                    seed=None, cancelled=None, speculate: bool = True, row_sampling: list[dict] | None = None,
+                    **sampling) -> Batch:
         """Prefill a batch to be stepped pass by pass (``engine.step``), joined between passes by
-        other batches of the same settings (``engine.join``: continuous batching) and finished
-        (``engine.finish``). A token budget and stop strings per prompt (lists), ``cancelled(row) ->
-        bool`` to end a row early; ``speculate=False``: plain decoding through the same engine."""
+        other batches of the same γ setting (``engine.join``: continuous batching) and finished
+        (``engine.finish``). A token budget, stop strings and seed per prompt (lists), sampling
+        settings per prompt (``row_sampling``), ``cancelled(row) -> bool`` to end a row early;
+        ``speculate=False``: plain decoding through the same engine."""
         req = self._request(prompt_ids, list(max_new_tokens), gamma, seed, [list(x or []) for x in stops], sampling,
-                            cancelled, speculate)
+                            cancelled, speculate, row_sampling)
         return self.engine.start(req)
 
     def decode(self, ids: list[int]) -> str:

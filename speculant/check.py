@@ -100,8 +100,11 @@ def sampling_check(gen, prompt: list[int], samples: int, new_tokens: int, gamma:
     u_all, drafted, accepted = [], 0, 0
     for start in range(0, samples, chunk):
         rows = min(chunk, samples - start)
-        outs = gen.generate_ids([prompt] * rows, max_new_tokens=new_tokens, gamma=gamma, seed=seed + start,
-                                **params.__dict__)
+        # unseeded rows: rejection sampling against the drafter's q, the rule under check (seeded rows
+        # race on noise of their own and never read q); repeatable through torch's seed
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + start)
+            outs = gen.generate_ids([prompt] * rows, max_new_tokens=new_tokens, gamma=gamma, **params.__dict__)
         drafted += sum(o.stats["draft_tokens"] for o in outs)
         accepted += sum(o.stats["accepted_draft_tokens"] for o in outs)
         by_length: dict[int, list[list[int]]] = {}

@@ -18,7 +18,7 @@ from .drafters.base import DraftContext, Drafter, Proposal
 from .drafters.model import left_pad
 from .errors import SpeculantError
 from .models.backend import Backend
-from .sampling import LogitsProcessing, SamplingParams, TokenHistory, token_logprobs
+from .sampling import LogitsProcessing, SamplingParams, SeededRows, TokenHistory, row_seed, token_logprobs
 from .tree import block_layout, check_tree, depths, path_block_index, tree_depth
 from .verify import greedy_verify, sample_verify, tree_greedy_verify, tree_sample_verify
 
@@ -126,16 +126,16 @@ class Row:
 
 @dataclass
 class Request:
-    """One batch to generate. ``max_new_tokens`` and ``stop_check`` may be given per row (lists), so
-    requests that differ only in those share a batch (the server does)."""
+    """One batch to generate. ``params``, ``max_new_tokens``, ``seed``, ``stop_check`` and
+    ``logprobs`` may be given per row (lists): rows with other settings share a batch (the server's do)."""
 
     prompts: list[list[int]]
-    params: SamplingParams
+    params: SamplingParams | list[SamplingParams]
     max_new_tokens: int | list[int]
     gamma: int | str  # "auto": chosen each pass by a GammaController
-    seed: int | None = None
+    seed: int | list | None = None  # row r: row_seed(seed, r); or one seed (or None) per row, used as given
     stop_check: object = None  # callable(row_tokens) -> index to cut at, or None; or one per row
-    logprobs: int | None = None  # top-N alternatives per token (0 = the chosen token's only)
+    logprobs: int | list | None = None  # top-N alternatives per token (0 = the chosen token's only)
     gamma_max: int | None = None  # the most "auto" may draft per pass (None: by drafter, see Engine._gamma_max)
     cancelled: object = None  # callable(row) -> True to end that row now (finish_reason "abort")
 
@@ -144,6 +144,21 @@ class Request:
 
     def stop_for(self, row: int):
         return self.stop_check[row] if isinstance(self.stop_check, list) else self.stop_check
+
+    def _per_row(self, value) -> list:
+        return list(value) if isinstance(value, list) else [value] * len(self.prompts)
+
+    def row_params(self) -> list[SamplingParams]:
+        return self._per_row(self.params)
+
+    def row_logprobs(self) -> list[int | None]:
+        return self._per_row(self.logprobs)
+
+    def row_seeds(self) -> list[int | None]:
+        """Greedy rows have none; a request's seed s gives row r the seed row_seed(s, r)."""
+        seeds = self.seed if isinstance(self.seed, list) else [
+            None if self.seed is None else row_seed(self.seed, r) for r in range(len(self.prompts))]
+        return [None if p.greedy else s for p, s in zip(self.row_params(), seeds)]
 
 
 class Emitted(list):
@@ -187,16 +202,17 @@ class Engine:
         """Prefill a request's rows: the target's first token comes from the prompt alone. Each batch
         has its own KV state and drafter state (the engine's drafter, or a fork of it while another
         batch holds it), so batches may be stepped in any order."""
-        dev, params = self.device, req.params
+        dev = self.device
         drafter = self.drafter if not self.drafter_busy else self.drafter.fork()
-        proc = LogitsProcessing(params, self.vocab_size)
+        proc = LogitsProcessing(req.row_params(), self.vocab_size)
         generator = torch.Generator(device=dev)
-        generator.manual_seed(req.seed if req.seed is not None else int(torch.randint(0, 2**62, (1,))))
+        # the batch's stream (drafters, unseeded rows); seeded rows draw from streams of their own
+        generator.manual_seed(req.seed if isinstance(req.seed, int) else int(torch.randint(0, 2**62, (1,))))
         stats = dict(drafter=drafter.describe(), gamma=req.gamma, backend=self.backend.info())
         n = len(req.prompts)
         rows = [Row(list(p), req.limit(r), req.stop_for(r), _cancel(req.cancelled, r),
-                    logprobs=None if req.logprobs is None else [], stats=Stats(**stats))
-                for r, p in enumerate(req.prompts)]
+                    logprobs=None if top is None else [], stats=Stats(**stats))
+                for r, (p, top) in enumerate(zip(req.prompts, req.row_logprobs()))]
         most = req.gamma if isinstance(req.gamma, int) else self._gamma_max(req, drafter)
         auto = GammaController(n, most, costs=self.costs) if req.gamma == "auto" else None
         t0 = time.perf_counter()
@@ -212,28 +228,36 @@ class Engine:
             raise
 
     def _prefill(self, req, rows, state, drafter, proc, generator, auto, max_tokens, t0) -> "Batch":
-        dev, params, n = self.device, req.params, len(rows)
+        dev, n = self.device, len(rows)
         tokens, valid = left_pad(req.prompts, dev)
-        history = TokenHistory(req.prompts, self.vocab_size, dev, params) if params.uses_context else None
+        history = TokenHistory(req.prompts, self.vocab_size, dev, proc) if proc.uses_context else None
         context = history.after(tokens[:, :0]) if history is not None else None
+        seeded = SeededRows(req.row_seeds(), dev)
         taps = tuple(drafter.hidden_layers)
         out = state.append(tokens, valid, last_only=True, taps=taps)
         logits, hidden = out if taps else (out, None)
-        dist = proc.scores(logits[:, -1], context) if params.greedy else proc.probs(logits[:, -1], context)
-        pending = dist.argmax(-1) if params.greedy else torch.multinomial(dist, 1, generator=generator).squeeze(1)
-        logprobs = _logprobs(req.logprobs, params, dist[:, None], pending[:, None], [1] * n)
+        scores = proc.scores(logits[:, -1], context)
+        probs = None if proc.greedy else proc.warp(scores)  # a greedy row among sampled ones: one-hot
+        pending = scores.argmax(-1) if probs is None else torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        if seeded.any:
+            won = seeded.choose(probs[:, None], torch.zeros(n, 1, dtype=torch.long, device=dev))[:, 0]
+            pending = torch.where(seeded.mask, won, pending)
+        seeded.advance([1] * n)
+        top_n = req.row_logprobs()
+        logprobs = _logprobs(top_n, proc, scores[:, None], None if probs is None else probs[:, None],
+                             pending[:, None], [1] * n)
         _sync(dev)
         for r in rows:
             r.stats.target_seconds = r.stats.first_token_seconds = time.perf_counter() - t0
             r.stats.count_pass(0, 0)
         prompt_hidden = [hidden[b, valid[b]] for b in range(n)] if taps else None
         drafter.start(DraftContext(req.prompts, proc, generator, dev, self.vocab_size, max_tokens, state,
-                                   prompt_hidden))
+                                   prompt_hidden, seeded))
         # fed: hidden states of the tokens the last pass cached (none yet: the prompt's went to start)
         fed = [h[:0] for h in prompt_hidden] if taps else None
         self.drafter_busy |= drafter is self.drafter
-        return Batch(rows, list(range(n)), req, proc, generator, state, drafter, history, auto, taps, pending,
-                     [[t] for t in pending.tolist()], [0] * n, fed, logprobs)
+        return Batch(rows, list(range(n)), req, proc, generator, state, drafter, history, seeded, auto, taps,
+                     pending, [[t] for t in pending.tolist()], [0] * n, fed, top_n, logprobs)
 
     def step(self, batch: "Batch") -> Iterator[tuple[int, list[int]]]:
         """One pass: hand out the tokens the last pass accepted (rows that end leave the batch),
@@ -259,19 +283,22 @@ class Engine:
         prop, caps = self._draft(b, room - 1)
         _sync(self.device)
         tt = time.perf_counter()
-        n, b.pending, emitted, dist, b.fed = self._verify(b.state, b.pending, prop, b.history, b.proc,
-                                                          b.req.params.greedy, b.generator, b.taps)
+        wants_logprobs = any(t is not None for t in b.top_n)
+        n, b.pending, emitted, logp, b.fed = self._verify(b.state, b.pending, prop, b.history, b.proc, b.generator,
+                                                          b.taps, b.seeded, wants_logprobs)
         b.n_acc = n.tolist()
-        b.logprobs = _logprobs(b.req.logprobs, b.req.params, dist, emitted, [k + 1 for k in b.n_acc])
+        b.seeded.advance([k + 1 for k in b.n_acc])
+        b.logprobs = token_logprobs(logp, emitted, [k + 1 for k in b.n_acc], b.top_n) if wants_logprobs else None
         _sync(self.device)
         tv = time.perf_counter()
         b.new = [e[: k + 1] for e, k in zip(emitted.tolist(), b.n_acc)]
         self._account(b, prop, caps, tt - td, tv - tt)
 
     def join(self, batch: "Batch", other: "Batch") -> None:
-        """Rows of ``other`` (same settings) join ``batch`` before its next pass."""
+        """Rows of ``other`` join ``batch`` before its next pass (see Batch.can_join)."""
         if not batch.can_join(other):
-            raise SpeculantError("these batches cannot join: their sampling settings, γ or drafter differ")
+            raise SpeculantError("these batches cannot join: their γ settings, drafters or the forms of text their "
+                                 "processing reads (penalties, logits processors) differ")
         for b in (batch, other):  # the joined state holds caches of its own
             self.backend.release(b.state)
         if other.drafter is self.drafter:
@@ -321,12 +348,13 @@ class Engine:
             caps = [gamma] * batch
         return _cap(prop, caps), caps
 
-    def _verify(self, state, pending, prop: Proposal, history, proc: LogitsProcessing, greedy: bool, generator,
-                taps: tuple = ()):
+    def _verify(self, state, pending, prop: Proposal, history, proc: LogitsProcessing, generator, taps: tuple,
+                seeded: SeededRows, logprobs: bool = False):
         """Score [pending token + drafts] in ONE target pass, accept, and keep exactly the accepted
         text in the cache. Returns (accepted drafts n [B], next token [B], emitted tokens
-        [B, ≥ max n + 1] (row b's first n[b] + 1 count), the processed distributions they came from,
-        and with ``taps`` the tapped hidden states of the tokens now cached per row [n[b] + 1, k, H])."""
+        [B, ≥ max n + 1] (row b's first n[b] + 1 count), with ``logprobs`` the log-probabilities
+        they came from (else None), and with ``taps`` the tapped hidden states of the tokens now
+        cached per row [n[b] + 1, k, H])."""
         block = torch.cat([pending[:, None], prop.tokens], dim=1)
         start = state.lengths()
         tree = seen = None
@@ -336,29 +364,25 @@ class Engine:
         out = state.append(block, tree=tree, taps=taps)
         logits, hidden = out if taps else (out, None)
         context = history.block(prop.tokens, seen) if history is not None else None
-        dist = proc.scores(logits, context) if greedy else proc.probs(logits, context)
+        scores = proc.scores(logits, context)
+        probs = None if proc.greedy else proc.warp(scores)
+        n, nxt, path = _accept(scores, probs, prop, proc, generator, seeded)
+        logp = proc.logprob_source(scores, probs) if logprobs else None
         if tree is None:
-            if greedy:
-                n, nxt = greedy_verify(dist.argmax(-1), prop.tokens, prop.lengths)
-            else:
-                n, nxt = sample_verify(dist, prop.tokens, prop.lengths, prop.probs, generator)
             state.rollback(start + n + 1)
             emitted = torch.cat([prop.tokens, nxt[:, None]], 1).scatter(1, n[:, None], nxt[:, None])
             steps = torch.arange(block.shape[1], device=block.device)[None].expand(len(n), -1)
         else:
-            if greedy:
-                n, nxt, path = tree_greedy_verify(dist.argmax(-1), prop.tokens, prop.parents, prop.lengths)
-            else:
-                n, nxt, path = tree_sample_verify(dist, prop.tokens, prop.parents, prop.lengths, prop.probs, generator)
             state.keep_path(start, path, n)
             steps = path_block_index(path, n)  # root + accepted nodes: where each emitted token was scored
             emitted = block.gather(1, steps[:, 1:]) if steps.shape[1] > 1 else block[:, :0]
             emitted = torch.cat([emitted, nxt[:, None]], 1).scatter(1, n[:, None], nxt[:, None])
-            dist = dist.gather(1, steps[..., None].expand(-1, -1, dist.shape[-1]))
+            if logp is not None:
+                logp = logp.gather(1, steps[..., None].expand(-1, -1, logp.shape[-1]))
         fed = None
         if taps:
             fed = [hidden[b, steps[b, : k + 1]] for b, k in enumerate(n.tolist())]
-        return n, nxt, emitted, dist, fed
+        return n, nxt, emitted, logp, fed
 
     def _account(self, b: "Batch", prop: Proposal, caps: list[int], draft_seconds: float,
                  verify_seconds: float) -> None:
@@ -411,7 +435,7 @@ class Engine:
                     added = added[: max(0, cut - len(row.tokens))]
                     row.finish_reason = "stop"
             row.tokens.extend(added)
-            if b.logprobs is not None:
+            if b.logprobs is not None and row.logprobs is not None:
                 row.logprobs.extend(b.logprobs[slot][: len(added)])
             if added:  # all but a pass's last token were drafts (the prefill's one token is the target's)
                 yield r, Emitted(added, min(len(added), len(new) - 1))
@@ -424,9 +448,39 @@ class Engine:
         return still, keep_slots
 
 
-def _logprobs(n: int | None, params: SamplingParams, dist: torch.Tensor, tokens: torch.Tensor, count: list[int]):
-    """Logprob entries of each row's first count[b] tokens, from the verify pass's processed distribution."""
-    return None if n is None else token_logprobs(dist, params.greedy, tokens, count, n)
+def _accept(scores: torch.Tensor, probs: torch.Tensor | None, prop: Proposal, proc: LogitsProcessing, generator,
+            seeded: SeededRows):
+    """Which drafts each row keeps and its next token: (n [B], next [B], tree path [B, N] or None).
+    Greedy rows follow the argmax and seeded rows their race's winners (greedy-style checks); the
+    other rows rejection-sample against the drafter's q (probs: None when every row is greedy)."""
+    tree = prop.parents is not None
+    chosen_rows = None if probs is None else seeded.mask | proc.greedy_rows(probs.device)
+    chosen = None
+    if chosen_rows is None or bool(chosen_rows.any()):
+        if probs is None:
+            choice = scores.argmax(-1)
+        else:  # block position 0 chooses the row's next token, a draft at depth d the one d after it
+            B, T = probs.shape[:2]
+            offsets = (torch.cat([torch.zeros_like(prop.parents[:, :1]), depths(prop.parents)], 1) if tree
+                       else torch.arange(T, device=probs.device)[None].expand(B, T))
+            choice = seeded.choose(probs, offsets)  # unseeded rows: the argmax (a greedy row's one-hot)
+        chosen = (tree_greedy_verify(choice, prop.tokens, prop.parents, prop.lengths) if tree
+                  else (*greedy_verify(choice, prop.tokens, prop.lengths), None))
+        if chosen_rows is None or bool(chosen_rows.all()):
+            return chosen
+    sampled = (tree_sample_verify(probs, prop.tokens, prop.parents, prop.lengths, prop.probs, generator) if tree
+               else (*sample_verify(probs, prop.tokens, prop.lengths, prop.probs, generator), None))
+    if chosen is None:
+        return sampled
+    return tuple(None if a is None else torch.where(chosen_rows.view(-1, *[1] * (a.dim() - 1)), a, b)
+                 for a, b in zip(chosen, sampled))
+
+
+def _logprobs(top_n: list[int | None], proc: LogitsProcessing, scores, probs, tokens, count: list[int]):
+    """Logprob entries of each row's first count[b] tokens (None for rows that asked for none)."""
+    if all(t is None for t in top_n):
+        return None
+    return token_logprobs(proc.logprob_source(scores, probs), tokens, count, top_n)
 
 
 def _cancel(cancelled, row: int):
@@ -437,24 +491,26 @@ def _cancel(cancelled, row: int):
 @dataclass
 class Batch:
     """Rows generating together: one KV state, one drafter state, one γ controller. Rows leave as
-    they finish (``shrink``); the rows of another batch with the same settings can join it
+    they finish (``shrink``); the rows of another batch with the same γ setting can join it
     between passes (``join``), so a server decodes requests that arrive at different times as one
     batch. ``active``: batch slot -> index into ``rows``."""
 
     rows: list[Row]
     active: list[int]
-    req: Request  # the settings every row shares (sampling, γ, logprobs)
+    req: Request  # the request that started it (γ and its bound: what every row shares)
     proc: LogitsProcessing
     generator: torch.Generator
     state: object
     drafter: Drafter
     history: TokenHistory | None
+    seeded: SeededRows | None  # sampling batches: which rows are seeded, and where each stands
     auto: GammaController | None
     taps: tuple
     pending: torch.Tensor  # [B] each row's next token, not yet in the target's cache
     new: list[list[int]]  # per slot, the tokens the last pass accepted (not yet handed out)
     n_acc: list[int]
     fed: list | None  # per slot, hidden states of the tokens the last pass cached
+    top_n: list  # per slot, the logprobs alternatives its row asked for (None: no logprobs)
     logprobs: list | None
     done: bool = False
 
@@ -463,25 +519,27 @@ class Batch:
         idx = torch.tensor(keep, device=self.pending.device)
         self.state.select(idx)
         self.pending = self.pending[idx]
-        for part in (self.history, self.drafter, self.auto):
+        for part in (self.proc, self.history, self.seeded, self.drafter, self.auto):
             if part is not None:
                 part.select(keep)
         self.new, self.n_acc = [self.new[i] for i in keep], [self.n_acc[i] for i in keep]
+        self.top_n = [self.top_n[i] for i in keep]
         self.fed = [self.fed[i] for i in keep] if self.fed is not None else None
         self.logprobs = [self.logprobs[i] for i in keep] if self.logprobs is not None else None
 
     @property
     def accepts_rows(self) -> bool:
-        """Rows of another batch may join: no seed of its own (a seeded row runs alone, so its text
-        does not depend on what else runs) and parts that know how to join."""
-        return self.req.seed is None and not self.done and all(
+        """Rows of another batch may join: its parts know how to join. (A seeded row's text does not
+        depend on what else runs: see SeededRows.)"""
+        return not self.done and all(
             x is None or getattr(x, "joins", False) for x in (self.state, self.drafter, self.history, self.auto))
 
     def can_join(self, other: "Batch") -> bool:
-        """Whether ``other``'s rows may join this batch: both accept rows, the same settings, the same parts."""
+        """Whether ``other``'s rows may join this batch: both accept rows, the same γ setting, the
+        same parts, and processing that reads the text in the same forms (sampling settings
+        themselves are per row)."""
         a, b = self.req, other.req
-        same = (a.params == b.params and a.gamma == b.gamma and a.logprobs == b.logprobs
-                and a.gamma_max == b.gamma_max)
+        same = a.gamma == b.gamma and a.gamma_max == b.gamma_max and self.proc.forms == other.proc.forms
         parts = [(self.state, other.state), (self.drafter, other.drafter), (self.history, other.history),
                  (self.auto, other.auto)]
         return same and self.accepts_rows and other.accepts_rows and all(type(x) is type(y) for x, y in parts)
@@ -493,13 +551,16 @@ class Batch:
         self.active += [r + offset for r in other.active]
         self.state.join(other.state)
         self.pending = torch.cat([self.pending, other.pending])
-        for mine, theirs in ((self.history, other.history), (self.drafter, other.drafter), (self.auto, other.auto)):
+        for mine, theirs in ((self.proc, other.proc), (self.history, other.history), (self.seeded, other.seeded),
+                             (self.drafter, other.drafter), (self.auto, other.auto)):
             if mine is not None:
                 mine.join(theirs)
+        if self.logprobs is not None or other.logprobs is not None:  # each slot's entries (or None)
+            self.logprobs = (self.logprobs or [None] * len(self.new)) + (other.logprobs or [None] * len(other.new))
         self.new += other.new
         self.n_acc += other.n_acc
+        self.top_n += other.top_n
         self.fed = self.fed + other.fed if self.fed is not None else None
-        self.logprobs = self.logprobs + other.logprobs if self.logprobs is not None else None
         other.done, other.rows, other.active = True, [], []
 
 

@@ -77,9 +77,15 @@ class SamplingParams:
         return self.presence_penalty != 0 or self.frequency_penalty != 0
 
     @property
+    def forms(self) -> tuple[bool, bool, bool]:
+        """The forms of the text so far that processing reads: (seen tokens: repetition penalty,
+        output counts: presence/frequency, token lists: logits processors)."""
+        return self.repetition_penalty != 1.0, self.counts_output, bool(self.logits_processors)
+
+    @property
     def uses_context(self) -> bool:
         """Whether processing depends on the tokens seen so far (then drafts must be included)."""
-        return self.repetition_penalty != 1.0 or self.counts_output or bool(self.logits_processors)
+        return any(self.forms)
 
 
 def block_counts(counts: torch.Tensor, block_tokens: torch.Tensor, seen: torch.Tensor | None = None) -> torch.Tensor:
@@ -119,17 +125,18 @@ class Context:
 class TokenHistory:
     """The text of each row so far, kept in the forms the processing needs (only those it needs)."""
 
-    def __init__(self, prompts: list[list[int]], vocab: int, device, params: SamplingParams):
+    def __init__(self, prompts: list[list[int]], vocab: int, device, params: "SamplingParams | LogitsProcessing"):
         self.vocab, self.device = vocab, device
-        self.texts = [list(p) for p in prompts] if params.logits_processors else None
+        seen, counts, texts = params.forms
+        self.texts = [list(p) for p in prompts] if texts else None
         self.seen = self.counts = None
-        if params.repetition_penalty != 1.0:
+        if seen:
             self.seen = torch.zeros(len(prompts), vocab, dtype=torch.int32)
             for i, p in enumerate(prompts):
                 if p:
                     self.seen[i, torch.tensor(p, dtype=torch.long)] = 1
             self.seen = self.seen.to(device)
-        if params.counts_output:
+        if counts:
             self.counts = torch.zeros(len(prompts), vocab, dtype=torch.int32, device=device)
 
     def extend(self, new: list[list[int]]) -> None:
@@ -230,16 +237,12 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-class LogitsProcessing:
-    """One processing for p and q. ``scores`` is what greedy takes the argmax of; ``probs`` what sampling draws from."""
+class _OneSetting:
+    """Processing by one SamplingParams, for any batch."""
 
-    def __init__(self, params: SamplingParams, vocab_size: int | None = None):
+    def __init__(self, params: SamplingParams):
         self.params = params
         self._bias: torch.Tensor | None = None
-        if params.logit_bias and vocab_size is not None:
-            bad = [t for t in params.logit_bias if t >= vocab_size]
-            if bad:
-                raise SpeculantError(f"logit bias token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
 
     def _add_bias(self, logits: torch.Tensor) -> torch.Tensor:
         if not self.params.logit_bias:
@@ -262,35 +265,245 @@ class LogitsProcessing:
                 flat[i] = fn(ids, flat[i])
         return flat.reshape(logits.shape)
 
-    def scores(self, logits: torch.Tensor, ctx: Context | None = None) -> torch.Tensor:
+    def scores(self, logits: torch.Tensor, ctx: Context | None) -> torch.Tensor:
         logits = apply_penalties(logits, self.params, ctx)
         return self._run_processors(self._add_bias(logits), ctx)
 
-    def probs(self, logits: torch.Tensor, ctx: Context | None = None) -> torch.Tensor:
-        return warp(self.scores(logits, ctx), self.params)
+    def warp(self, scores: torch.Tensor) -> torch.Tensor:
+        if self.params.greedy:  # in a batch with sampled rows: all mass on the argmax
+            return torch.nn.functional.one_hot(scores.argmax(-1), scores.shape[-1]).float()
+        return warp(scores, self.params)
 
-    def pick(self, logits: torch.Tensor, ctx: Context | None, generator: torch.Generator | None):
-        """Choose one token per row from logits [B, V] (plain decoding). Returns (tokens [B], probs or None)."""
-        if self.params.greedy:
+
+def _rows_of(ctx: Context | None, idx: list[int], batch: int) -> Context | None:
+    """The part of a batch's context that belongs to rows ``idx``."""
+    if ctx is None:
+        return None
+    ids = None
+    if ctx.token_ids is not None:
+        per_row = len(ctx.token_ids) // batch
+        ids = [ctx.token_ids[r * per_row + t] for r in idx for t in range(per_row)]
+    return Context(None if ctx.seen is None else ctx.seen[idx], None if ctx.counts is None else ctx.counts[idx], ids)
+
+
+class LogitsProcessing:
+    """One processing for p and q. ``scores`` is what greedy takes the argmax of; ``probs`` what
+    sampling draws from. ``params``: one SamplingParams for every row (any batch), or one per row
+    of a batch, so requests with other settings (greedy or sampled, other temperatures, top-k/p,
+    penalties, biases, processors) share it. Rows with equal settings are processed together
+    exactly as a batch of only them would be; ``select`` / ``join`` follow the batch's rows."""
+
+    def __init__(self, params: SamplingParams | list[SamplingParams], vocab_size: int | None = None):
+        self.rows = None if isinstance(params, SamplingParams) else list(params)  # None: any batch size
+        for p in self.rows or [params]:
+            bad = [t for t in (p.logit_bias or {}) if vocab_size is not None and t >= vocab_size]
+            if bad:
+                raise SpeculantError(f"logit bias token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+        self._settings: list[_OneSetting] = [_OneSetting(params)] if self.rows is None else []
+        self._group()
+
+    def _group(self) -> None:
+        """Rows by equal settings: [(setting, row indexes)] (one group with rows None: every row)."""
+        if self.rows is None:
+            self.groups = [(self._settings[0], None)]
+            return
+        known = {id(s.params): s for s in self._settings}
+        groups = []
+        for r, p in enumerate(self.rows):
+            for setting, idx in groups:
+                if setting.params == p:
+                    idx.append(r)
+                    break
+            else:  # keep a setting's processing (its cached bias) while its rows stay
+                setting = next((s for s in known.values() if s.params == p), None) or _OneSetting(p)
+                groups.append((setting, [r]))
+        self._settings = [s for s, _ in groups]
+        self.groups = [(s, None) for s, _ in groups] if len(groups) == 1 else groups
+
+    @property
+    def params(self) -> SamplingParams | None:
+        """The settings every row shares, or None when rows differ."""
+        return self.groups[0][0].params if len(self.groups) == 1 else None
+
+    @property
+    def greedy(self) -> bool:
+        """Every row is greedy."""
+        return all(s.params.greedy for s, _ in self.groups)
+
+    @property
+    def forms(self) -> tuple[bool, bool, bool]:
+        """The forms of the text so far any row's processing reads (see SamplingParams.forms)."""
+        return tuple(any(f) for f in zip(*(s.params.forms for s, _ in self.groups)))
+
+    @property
+    def uses_context(self) -> bool:
+        return any(self.forms)
+
+    def greedy_rows(self, device) -> torch.Tensor:
+        """[B] bool: which of the batch's rows are greedy."""
+        return torch.tensor([p.greedy for p in self.rows], device=device)
+
+    def select(self, rows: list[int]) -> None:
+        self.rows = [self.rows[r] for r in rows]
+        self._group()
+
+    def join(self, other: "LogitsProcessing") -> None:
+        """Take ``other``'s rows (the batches keep the text in the same forms: see Batch.can_join)."""
+        self.rows = self.rows + other.rows
+        self._settings += other._settings
+        self._group()
+
+    def _by_group(self, fn, x: torch.Tensor, ctx: Context | None = None) -> torch.Tensor:
+        if len(self.groups) == 1:
+            return fn(self.groups[0][0], x, ctx)
+        out = None
+        for setting, idx in self.groups:
+            part = fn(setting, x[idx], _rows_of(ctx, idx, x.shape[0]))
+            if out is None:
+                out = part.new_empty(x.shape[:-1] + part.shape[-1:])
+            out[idx] = part
+        return out
+
+    def scores(self, logits: torch.Tensor, ctx: Context | None = None) -> torch.Tensor:
+        return self._by_group(lambda s, x, c: s.scores(x, c), logits, ctx)
+
+    def warp(self, scores: torch.Tensor) -> torch.Tensor:
+        return self._by_group(lambda s, x, c: s.warp(x), scores)
+
+    def probs(self, logits: torch.Tensor, ctx: Context | None = None) -> torch.Tensor:
+        return self.warp(self.scores(logits, ctx))
+
+    def logprob_source(self, scores: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
+        """What logprobs report: for greedy rows log_softmax of the scores (the processed
+        distribution at temperature 1), for sampled rows the log of what they were drawn from."""
+        if probs is None or self.greedy:
+            return scores.float().log_softmax(-1)
+        logp = probs.float().log()
+        if len(self.groups) > 1:
+            greedy = self.greedy_rows(scores.device).view(-1, *[1] * (scores.dim() - 1))
+            logp = torch.where(greedy, scores.float().log_softmax(-1), logp)
+        return logp
+
+    def pick(self, logits: torch.Tensor, ctx: Context | None, generator: torch.Generator | None,
+             seeded: "SeededRows | None" = None, offset: int = 0):
+        """Choose one token per row from logits [B, V]. Returns (tokens [B], probs or None). Seeded
+        rows choose with their own noise for the token ``offset`` after their next one (a drafter's
+        draft j: offset j), so a drafter close to the target picks what the target will."""
+        if self.greedy:
             return self.scores(logits, ctx).argmax(-1), None
         probs = self.probs(logits, ctx)
-        return torch.multinomial(probs, 1, generator=generator).squeeze(-1), probs
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        if seeded is not None and seeded.any:
+            offsets = torch.full((probs.shape[0], 1), offset, dtype=torch.long, device=probs.device)
+            tokens = torch.where(seeded.mask, seeded.choose(probs[:, None], offsets)[:, 0], tokens)
+        return tokens, probs
 
 
-def token_logprobs(dist: torch.Tensor, greedy: bool, tokens: torch.Tensor, count: list[int], top_n: int) -> list[list[dict]]:
-    """Per row, the first count[b] positions: log p(token) and the top_n alternatives under the
-    processed target distribution. dist: [B, T, V] scores (greedy: log_softmax of them, i.e. the
-    processed distribution at temperature 1) or probabilities (sampling). tokens: [B, T]."""
-    logp = dist.float().log_softmax(-1) if greedy else dist.float().log()
+def token_logprobs(logp: torch.Tensor, tokens: torch.Tensor, count: list[int], top_n: list[int | None]) -> list:
+    """Per row, the first count[b] positions: log p(token) and the top_n[b] alternatives under the
+    processed target distribution (None for a row that asked for none). logp: [B, T, V]
+    (``LogitsProcessing.logprob_source``). tokens: [B, T]."""
+    most = max((n for n in top_n if n is not None), default=0)
     chosen = logp.gather(2, tokens[..., None]).squeeze(2).tolist()
-    top_v, top_i = (logp.topk(min(top_n, logp.shape[-1]), dim=-1) if top_n > 0 else (None, None))
+    top_v, top_i = (logp.topk(min(most, logp.shape[-1]), dim=-1) if most > 0 else (None, None))
     top_v = top_v.tolist() if top_v is not None else None
     top_i = top_i.tolist() if top_i is not None else None
     out, toks = [], tokens.tolist()
     for b, n in enumerate(count):
+        if top_n[b] is None:
+            out.append(None)
+            continue
         row = []
         for t in range(n):
-            top = [] if top_v is None else [[i, v] for i, v in zip(top_i[b][t], top_v[b][t]) if v > float("-inf")]
+            top = [] if not top_n[b] else [[i, v] for i, v in zip(top_i[b][t][: top_n[b]], top_v[b][t][: top_n[b]])
+                                          if v > float("-inf")]
             row.append({"token": toks[b][t], "logprob": chosen[b][t], "top": top})
         out.append(row)
     return out
+
+
+# ---- seeded rows: the Gumbel-max trick with noise keyed by position -------------------------------
+# A seeded row draws its token at output index k as argmax(p_k / E_k), E_k ~ Exp(1) i.i.d. over the
+# vocabulary, from a stream keyed by (the row's seed, k) alone: an exact sample from p_k (the
+# exponential race is the Gumbel-max trick), fresh at every index. Verification then accepts a draft
+# while it equals that choice (greedy-style, over the same processed p), so the row's text is a
+# function of its prompt, settings and seed only: the same with any drafter, γ or batch companions,
+# and the same as plain decoding with that seed (drafter-invariant speculative decoding, Daliri,
+# Musco & Suresh 2024). For a drafter whose drafts are its own top choices (q one-hot) it accepts as
+# often as rejection sampling does; unseeded rows keep rejection sampling (the best acceptance).
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(a: int, b: int) -> int:
+    """A 63-bit key from two integers (splitmix64's finaliser): nearby inputs give unrelated keys."""
+    x = (a * 0x9E3779B97F4A7C15 + b + 0x632BE59BD9B4E019) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1
+
+
+def row_seed(seed: int, row: int) -> int:
+    """The seed of row ``row`` of a request seeded with ``seed`` (its n-th choice, its n-th prompt)."""
+    return _mix(seed, row)
+
+
+class SeededRows:
+    """Which rows of a batch are seeded, and the output index each one draws next."""
+
+    joins = True
+
+    def __init__(self, seeds: list[int | None], device):
+        self.seeds, self.device = list(seeds), device
+        self.next = [0] * len(seeds)  # output index of each row's next token to choose
+        # per row, noise already drawn for indexes at or after its next one (a rejected draft's
+        # index comes back next pass); at most KEEP of them, so memory stays bounded
+        self.cache: list[dict[int, torch.Tensor]] = [{} for _ in seeds]
+
+    KEEP = 8
+
+    @property
+    def any(self) -> bool:
+        return any(s is not None for s in self.seeds)
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return torch.tensor([s is not None for s in self.seeds], device=self.device)
+
+    def _exp_noise(self, seed: int, index: int, vocab: int) -> torch.Tensor:
+        g = torch.Generator(device=self.device)
+        g.manual_seed(_mix(seed, index))
+        u = torch.rand(vocab, generator=g, device=self.device)
+        return -torch.log(u.clamp_min(1e-38))  # u < 1, so E > 0
+
+    def choose(self, probs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """probs [B, T, V] processed target probabilities; offsets [B, T]: how many tokens after the
+        row's next one each position chooses (a chain: 0..T-1; a tree: a node's depth). Returns
+        [B, T] choices (seeded rows: the race's winners; the others: p's argmax, unused)."""
+        choice = probs.argmax(-1)
+        V = probs.shape[-1]
+        for b, seed in enumerate(self.seeds):
+            if seed is None:
+                continue
+            offs, cache = offsets[b].tolist(), self.cache[b]
+            for k in set(offs):
+                i = self.next[b] + k
+                if i not in cache or cache[i].shape[0] != V:
+                    cache[i] = self._exp_noise(seed, i, V)
+            e = torch.stack([cache[self.next[b] + k] for k in offs])
+            choice[b] = (probs[b].float() / e).argmax(-1)
+            for i in sorted(cache)[self.KEEP:]:
+                del cache[i]
+        return choice
+
+    def advance(self, counts: list[int]) -> None:
+        """Row b's text grew by counts[b] tokens."""
+        self.next = [k + c for k, c in zip(self.next, counts)]
+        self.cache = [{i: e for i, e in c.items() if i >= k} for c, k in zip(self.cache, self.next)]
+
+    def select(self, rows: list[int]) -> None:
+        self.seeds, self.next = [self.seeds[r] for r in rows], [self.next[r] for r in rows]
+        self.cache = [self.cache[r] for r in rows]
+
+    def join(self, other: "SeededRows") -> None:
+        self.seeds, self.next, self.cache = self.seeds + other.seeds, self.next + other.next, self.cache + other.cache

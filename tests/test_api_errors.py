@@ -16,6 +16,8 @@ from helpers import tiny_llama
     (([1, 2, 3],), {"temperature": -1.0}, "temperature must be >= 0"),
     (([1, 2, 3],), {"top_k": 2.5}, "top-k must be an integer"),
     (([1, 2, 3],), {"gamma": 0}, "gamma"),
+    (([1, 2, 3],), {"seed": "7", "temperature": 1.0}, "seed must be an integer"),
+    (([[1, 2], [3, 4]],), {"seed": [1], "temperature": 1.0}, "one per prompt"),
 ])
 def test_bad_generate_arguments(args, kwargs, message):
     with pytest.raises(SpeculantError, match=message):

@@ -206,3 +206,93 @@ def test_stop_string_ending_inside_an_accepted_run(tmp_path):
     assert a.token_ids == b.token_ids == tokens[:cut]
     assert a.finish_reason == b.finish_reason == "stop"
     assert a.text == b.text == spec.decode(tokens[:cut])[: spec.decode(tokens[:cut]).find(stop)]
+
+
+ROW_SETTINGS = [
+    dict(),  # greedy
+    dict(temperature=0.8, top_k=10),
+    dict(temperature=1.2, top_p=0.9, min_p=0.05),
+    dict(temperature=0.7, repetition_penalty=1.3, presence_penalty=0.5, logit_bias={7: 5.0}),
+    dict(frequency_penalty=0.4, logprobs=3),  # greedy, with a penalty and logprobs
+    dict(temperature=0.9, logprobs=2),
+]
+
+
+@pytest.mark.parametrize("path", ["general", "fast"])
+@pytest.mark.parametrize("kind", ["ngram", "suffix", "model"])
+def test_rows_with_other_settings_share_a_batch_and_keep_their_text(kind, path):
+    """Greedy and sampled rows, other temperatures, top-k/p, min-p, penalties, biases and logprobs
+    in ONE batch: each row's text (and logprobs) is what it gives alone with the same seed."""
+    target = tiny_llama(0, layers=2)
+    g = torch.Generator().manual_seed(5)
+    loop = torch.randint(2, 96, (5,), generator=g).tolist()
+    prompts = [loop * 3 if i % 2 else torch.randint(2, 96, (10,), generator=g).tolist() for i in range(6)]
+    seeds = [None, 3, 4, 5, None, 6]
+
+    def make():
+        return {"ngram": NgramDrafter, "suffix": lambda: "suffix",
+                "model": lambda: ModelDrafter(perturbed(target, 0.3, seed=4))}[kind]()
+
+    together = speculant.generate(target, prompts, drafter=make(), gamma="auto", max_new_tokens=24, seed=seeds,
+                                  path=path, row_sampling=ROW_SETTINGS)
+    for p, s, settings, out in zip(prompts, seeds, ROW_SETTINGS, together):
+        alone = speculant.generate(target, [p], drafter="none", max_new_tokens=24, seed=[s], path=path, **settings)[0]
+        assert out.token_ids == alone.token_ids, f"{settings}: its text changed in a shared batch"
+        if "logprobs" in settings:
+            assert [e["token"] for e in out.logprobs] == out.token_ids
+            for a, b in zip(out.logprobs, alone.logprobs):
+                assert a["logprob"] == pytest.approx(b["logprob"], abs=1e-4) and len(a["top"]) == settings["logprobs"]
+        else:
+            assert out.logprobs is None
+    assert sum(o.stats["accepted_draft_tokens"] for o in together) > 0
+
+
+def test_sampled_rows_beside_greedy_rows_keep_the_target_distribution():
+    """Unseeded sampled rows (rejection sampling against the drafter's q) share the batch with
+    greedy rows, whose drafts and checks are one-hot: the sampled rows still follow p exactly."""
+    params = SamplingParams(temperature=0.8, top_k=3, repetition_penalty=1.3)
+    target = peaked(0)
+    n = 12_000
+    settings = [params.__dict__ if r % 4 else {} for r in range(n)]  # every 4th row greedy
+    torch.manual_seed(31)
+    outs = speculant.generate(target, [PROMPT] * n, drafter=ModelDrafter(peaked(1)), gamma=3, max_new_tokens=4,
+                              row_sampling=settings)
+    sampled = [o.token_ids for r, o in enumerate(outs) if r % 4]
+    codes = torch.tensor([sum(t * V ** (3 - i) for i, t in enumerate(s)) for s in sampled])
+    counts = torch.bincount(codes, minlength=V**4).double()
+    pvalue = fit_pvalue(counts, exact_distribution(target, params))
+    assert pvalue > 1e-4, f"chi-square p-value {pvalue:.2e}"
+    greedy = speculant.generate(target, PROMPT, drafter="none", max_new_tokens=4).token_ids
+    assert all(o.token_ids == greedy for r, o in enumerate(outs) if r % 4 == 0)
+
+
+@pytest.mark.parametrize("path", ["general", "fast"])
+def test_a_batch_with_other_settings_joins_a_running_one(path):
+    """Continuous batching across settings: a seeded sampled batch joins a running greedy one and
+    every row keeps its text; a batch whose processing reads other forms of the text (a repetition
+    penalty needs the tokens seen) cannot join, with a one-line error."""
+    from speculant.errors import SpeculantError
+    from speculant.models import LoadedModel
+
+    target = tiny_llama(0, layers=2)
+    gen = speculant.Generator(LoadedModel(target, None, "tiny"), NgramDrafter(), gamma="auto", path=path)
+    g = torch.Generator().manual_seed(9)
+    prompts = [(torch.randint(2, 96, (4,), generator=g).tolist() * 4)[: 6 + 3 * i] for i in range(3)]
+    sampled = dict(temperature=0.9, top_p=0.95)
+    alone = [gen.generate_ids([prompts[0]], max_new_tokens=20)[0].token_ids,
+             *(o.token_ids for o in gen.generate_ids(prompts[1:], max_new_tokens=20, seed=[8, 9], **sampled))]
+    running = gen.start_batch(prompts[:1], [20], [[]])
+    for _ in gen.engine.step(running):
+        pass
+    joiner = gen.start_batch(prompts[1:], [20, 20], [[], []], seed=[8, 9], **sampled)
+    refused = gen.start_batch(prompts[1:2], [20], [[]], repetition_penalty=1.2)
+    assert running.can_join(joiner) and not running.can_join(refused)
+    with pytest.raises(SpeculantError, match="cannot join"):
+        gen.engine.join(running, refused)
+    gen.engine.finish(refused)
+    gen.engine.join(running, joiner)
+    while not running.done:
+        for _ in gen.engine.step(running):
+            pass
+    rows = gen.engine.finish(running)
+    assert [r.tokens for r in rows] == alone

@@ -107,21 +107,35 @@ def test_chat_streaming_equals_non_streaming_and_speculates(served):
     assert plain.model_extra["speculant"]["acceptance_rate"] == 0.0
 
 
-def test_seeded_sampling_is_reproducible_with_other_requests_running(served):
-    client = served.client()
-    ask = dict(model="tiny", prompt="w7 w8 w9", max_tokens=16, temperature=1.0, seed=123, n=2)
-    alone = [c.text for c in client.completions.create(**ask).choices]
-    with httpx.Client(timeout=60) as http:
-        pool = [threading.Thread(target=http.post, args=(served.url + "/v1/completions",),
-                                 kwargs={"json": {"model": "tiny", "prompt": "w1 w2", "max_tokens": 16}})
-                for _ in range(4)]
-        for t in pool:
-            t.start()
-        busy = [c.text for c in client.completions.create(**ask).choices]
-        for t in pool:
-            t.join()
-    assert busy == alone
-    assert len(alone) == 2
+def test_seeded_choices_share_batches_and_keep_their_text(folder):
+    """Seeded choices run in one batch with other sampled requests (seeded and not) and still give
+    the text they give alone, which is the Python API's text for that seed."""
+    gen = _gen(folder)
+    sizes = []
+    s = Served(gen)
+    record = s.scheduler.on_pass
+    s.scheduler.on_pass = lambda rows: (sizes.append(rows), record(rows))
+    try:
+        client = s.client()
+        ask = dict(model="tiny", prompt="w7 w8 w9", max_tokens=16, temperature=1.0, seed=123, n=2)
+        alone = [c.text for c in client.completions.create(**ask).choices]
+        sizes.clear()
+        with httpx.Client(timeout=60) as http:
+            others = [{"model": "tiny", "prompt": "w1 w2", "max_tokens": 24, "temperature": 1.0, "seed": k}
+                      for k in (None, 5, None, 6)]
+            pool = [threading.Thread(target=http.post, args=(s.url + "/v1/completions",), kwargs={"json": o})
+                    for o in others]
+            for t in pool:
+                t.start()
+            busy = [c.text for c in client.completions.create(**ask).choices]
+            for t in pool:
+                t.join()
+    finally:
+        s.close()
+    assert busy == alone and len(set(alone)) == 2
+    assert max(sizes) > 2, sizes  # the seeded choices shared a batch
+    api = gen.generate("w7 w8 w9", max_new_tokens=16, temperature=1.0, seed=123, chat_template=False)
+    assert api.text == alone[0]
 
 
 @pytest.mark.parametrize("body, status, param", [
@@ -402,9 +416,9 @@ def test_two_streams_of_one_generator_advanced_alternately_give_their_texts_alon
 
 
 def test_requests_arriving_mid_batch_join_it_and_answer_as_alone(folder):
-    """Continuous batching: a compatible request that arrives while a batch runs is prefilled and
-    joins it between passes (the pass sizes show two rows decoded together), and both answers are
-    what each gives alone; a request with other settings waits for its own batch."""
+    """Continuous batching: a request that arrives while a batch runs is prefilled and joins it
+    between passes, here a seeded sampled one joining a greedy one (the pass sizes show two rows
+    decoded together), and both answers are what each gives alone."""
     gen = _gen(folder)
     sizes = []
     s = Served(gen)
@@ -413,12 +427,12 @@ def test_requests_arriving_mid_batch_join_it_and_answer_as_alone(folder):
     sched.on_pass = lambda rows: (sizes.append(rows), record(rows))
     try:
         client = s.client()
-        alone = [client.completions.create(model="tiny", prompt=p, max_tokens=n, temperature=0).choices[0].text
-                 for p, n in (("w5 w6 w7", 40), ("w9 w8", 12))]
+        alone = [client.completions.create(model="tiny", prompt=p, max_tokens=n, temperature=t, seed=4).choices[0].text
+                 for p, n, t in (("w5 w6 w7", 40, 0), ("w9 w8", 12, 0.8))]
         sizes.clear()
         long = client.completions.create(model="tiny", prompt="w5 w6 w7", max_tokens=40, temperature=0, stream=True)
         first = [next(long)]  # the long request is running
-        short = client.completions.create(model="tiny", prompt="w9 w8", max_tokens=12, temperature=0)
+        short = client.completions.create(model="tiny", prompt="w9 w8", max_tokens=12, temperature=0.8, seed=4)
         text_long = "".join(c.choices[0].text for c in first + list(long))
     finally:
         s.close()

@@ -62,6 +62,8 @@ class DraftContext:
     # per row, the target's hidden states at the drafter's ``hidden_layers`` for every prompt token
     # [prompt length, len(hidden_layers), H]; None unless the drafter asks for hidden states
     prompt_hidden: list | None = None
+    # sampling: which rows are seeded (they choose with noise of their own: pass it to processing.pick)
+    seeded: object | None = None
 
 
 class Drafter(ABC):

@@ -49,8 +49,8 @@ class CascadeDrafter(Drafter):
         self.to_feed: list[list[int]] = [list(p) for p in ctx.prompts]
         self.prefilled = False
         self.block_start: torch.Tensor | None = None  # B's valid tokens per row before this pass's block
-        params = ctx.processing.params
-        self.history = TokenHistory(ctx.prompts, ctx.vocab_size, ctx.device, params) if params.uses_context else None
+        proc = ctx.processing
+        self.history = TokenHistory(ctx.prompts, ctx.vocab_size, ctx.device, proc) if proc.uses_context else None
         self.inner.start(ctx)
         self.inner_pending = False  # whether A made a proposal this pass
 
@@ -69,12 +69,12 @@ class CascadeDrafter(Drafter):
 
     def _probs_or_scores(self, logits, context):
         proc = self.ctx.processing
-        return proc.scores(logits, context) if proc.params.greedy else proc.probs(logits, context)
+        return proc.scores(logits, context) if proc.greedy else proc.probs(logits, context)
 
     @torch.no_grad()
     def propose(self, gamma: int) -> Proposal:
         ctx, proc = self.ctx, self.ctx.processing
-        greedy = proc.params.greedy
+        greedy = proc.greedy
         B, dev = len(self.to_feed), ctx.device
         self._prefill()
         feed, feed_valid = left_pad(self.to_feed, dev)

@@ -49,8 +49,8 @@ class DFlashDrafter(Drafter):
         self.values = [torch.zeros(shape, dtype=dtype, device=dev) for _ in self.net.layers]
         self.lengths = torch.zeros(B, dtype=torch.long, device=dev)
         self.pending = torch.zeros(B, dtype=torch.long, device=dev)
-        params = ctx.processing.params
-        self.history = TokenHistory(ctx.prompts, ctx.vocab_size, dev, params) if params.uses_context else None
+        proc = ctx.processing
+        self.history = TokenHistory(ctx.prompts, ctx.vocab_size, dev, proc) if proc.uses_context else None
         self._append(ctx.prompt_hidden)
 
     @torch.no_grad()
@@ -118,10 +118,10 @@ class DFlashDrafter(Drafter):
         n = min(gamma, K - 1)
         proc = self.ctx.processing
         drafts = torch.zeros(B, n, dtype=torch.long, device=dev)
-        probs = [] if not proc.params.greedy else None
+        probs = [] if not proc.greedy else None
         for j in range(n):  # each slot's q, processed with the drafts before it as context
             context = self.history.after(drafts[:, :j]) if self.history is not None else None
-            tok, q = proc.pick(logits[:, j], context, self.ctx.generator)
+            tok, q = proc.pick(logits[:, j], context, self.ctx.generator, self.ctx.seeded, j)
             drafts[:, j] = tok
             if probs is not None:
                 probs.append(q)

@@ -186,8 +186,8 @@ class LayerSkipDrafter(ModelDrafter):
         if not self.shared:
             return super().start(ctx)
         self.ctx, self.target_state, self.last = ctx, state, None
-        params = ctx.processing.params
-        self.history = TokenHistory(ctx.prompts, ctx.vocab_size, ctx.device, params) if params.uses_context else None
+        proc = ctx.processing
+        self.history = TokenHistory(ctx.prompts, ctx.vocab_size, ctx.device, proc) if proc.uses_context else None
 
     @torch.no_grad()
     def propose(self, gamma: int) -> Proposal:

@@ -59,8 +59,8 @@ class ModelDrafter(Drafter):
         self.prefilled = False
         self.block_start: torch.Tensor | None = None
         self.fed_drafts: list[list[int]] = [[] for _ in ctx.prompts]
-        params = ctx.processing.params
-        self.history = TokenHistory(ctx.prompts, ctx.vocab_size, ctx.device, params) if params.uses_context else None
+        proc = ctx.processing
+        self.history = TokenHistory(ctx.prompts, ctx.vocab_size, ctx.device, proc) if proc.uses_context else None
 
     def finish(self) -> None:
         if getattr(self, "state", None) is not None:
@@ -84,11 +84,11 @@ class ModelDrafter(Drafter):
         proc = self.ctx.processing
         B = logits.shape[0]
         drafts = torch.zeros(B, gamma, dtype=torch.long, device=self.ctx.device)
-        probs = [] if not proc.params.greedy else None
+        probs = [] if not proc.greedy else None
         for j in range(gamma):
             logits = fit_vocab(logits, self.ctx.vocab_size)
             context = self.history.after(drafts[:, :j]) if self.history is not None else None
-            tok, q = proc.pick(logits, context, self.ctx.generator)
+            tok, q = proc.pick(logits, context, self.ctx.generator, self.ctx.seeded, j)
             drafts[:, j] = tok
             if probs is not None:
                 probs.append(q)

@@ -26,9 +26,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..api import TextStream, check_gamma
 from ..errors import SpeculantError
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, row_seed
 from .metrics import Metrics
-from .scheduler import Job, QueueFull, Scheduler
+from .scheduler import BATCH_SETTINGS, Job, QueueFull, Scheduler
 
 DEFAULT_MAX_TOKENS = 1024  # for a chat request that names no max_tokens
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "abort": "abort"}
@@ -252,10 +252,10 @@ def create_app(generator, model_name: str = "default", api_key: str | None = Non
                            "max_tokens")
         settings = _sampling(body, logprobs)
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        # a seed, or a grammar, keeps a request to its own batch; the rest share by equal settings
-        alone = body.seed is not None or "logits_processors" in settings
-        group = uuid.uuid4().hex if alone else json.dumps({k: v for k, v in settings.items()}, sort_keys=True,
-                                                          default=str)
+        # requests share batches by γ setting and the forms of text their processing reads; the
+        # rest of the settings are per row (a seeded choice's text is the same whatever it shares with)
+        forms = SamplingParams(**{k: v for k, v in settings.items() if k not in ("logprobs", *BATCH_SETTINGS)}).forms
+        group = json.dumps({"forms": forms, **{k: settings[k] for k in BATCH_SETTINGS}}, sort_keys=True)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -267,7 +267,8 @@ def create_app(generator, model_name: str = "default", api_key: str | None = Non
                     pass
             return sink
 
-        jobs = [Job(p, max_tokens, sink_for(i), stop, settings, body.seed, group)
+        jobs = [Job(p, max_tokens, sink_for(i), stop, settings, None if body.seed is None else row_seed(body.seed, i),
+                    group)
                 for i, p in enumerate(p for p in prompts for _ in range(body.n))]
         sched, metrics = state["scheduler"], state["metrics"]
         try:

@@ -3,8 +3,9 @@
 Every request becomes one *job* per choice (``n`` choices: ``n`` jobs). The owner thread is the only
 code that touches the Generator (its engine, KV caches and drafter state), so concurrent clients
 never share mutable state. It starts a batch with the oldest waiting job and, up to
-``max_batch_size``, the waiting jobs of the same *group* (equal sampling settings; a seeded request
-only with its own choices, so a seed gives the same text whatever else is waiting). Between passes,
+``max_batch_size``, the waiting jobs of the same *group* (the same γ setting, and processing that
+reads the text in the same forms; temperature, top-k/p, penalty strengths, seeds and logprobs are
+per row, and a seeded job's text does not depend on what shares its batch). Between passes,
 jobs of that group that arrived meanwhile are prefilled and **join the running batch** (continuous
 batching), as long as there is room and the drafter can take rows of another batch; rows leave
 as they finish (EOS, stop, length, cancel) and their client hears at once.
@@ -24,6 +25,7 @@ from typing import Callable
 from ..errors import SpeculantError
 
 log = logging.getLogger("speculant.server")
+BATCH_SETTINGS = ("gamma", "speculate")  # what a batch's rows share; the rest of Job.sampling is per row
 MAX_ROWS_PER_BATCH = 1024  # rows one batch admits in its life: a batch keeps its finished rows until it ends
 
 
@@ -47,7 +49,7 @@ class Job:
     sink: Callable[[tuple], None]
     stop: list[str] = field(default_factory=list)
     sampling: dict = field(default_factory=dict)  # SamplingParams fields, logprobs, gamma
-    seed: int | None = None
+    seed: int | None = None  # this job's own (a request's choice i: row_seed(seed, i))
     group: object = None  # jobs with equal groups may share a batch
     cancelled: bool = False
     queued_at: float = field(default_factory=time.monotonic)
@@ -148,9 +150,11 @@ class Scheduler:
         t0 = time.monotonic()
         for j in jobs:
             j.started_at = t0
-        head = jobs[0]
+        shared = {k: jobs[0].sampling[k] for k in BATCH_SETTINGS if k in jobs[0].sampling}  # equal in a group
+        rows = [{k: v for k, v in j.sampling.items() if k not in shared} for j in jobs]
         return self.gen.start_batch([j.prompt for j in jobs], [j.max_tokens for j in jobs], [j.stop for j in jobs],
-                                    seed=head.seed, cancelled=lambda r: jobs[r].cancelled, **head.sampling)
+                                    seed=[j.seed for j in jobs], cancelled=lambda r: jobs[r].cancelled,
+                                    row_sampling=rows, **shared)
 
     def _joiners(self, group, room: int, admitted: int) -> list[Job]:
         """Waiting jobs that may join the running batch now: of its group, only while no job of
