@@ -106,6 +106,18 @@ class VerifyTimes:
             seconds = min(seconds, 2 * old)  # a pause (another process, the GC) is not what a pass costs
         self.points[tokens] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
 
+    SMOOTH_FROM = 32  # tokens per pass above which cost grows smoothly with width (no CPU steps)
+
+    def covers(self, tokens: int) -> bool:
+        """Whether interpolation can be trusted at this width: one within 10% was timed (a batch that
+        lost a row needs no new measurement), or it lies between timed widths at most 2x apart,
+        or above SMOOTH_FROM tokens."""
+        if any(abs(x - tokens) <= 0.1 * tokens for x in self.points):
+            return True
+        lo = max((x for x in self.points if x < tokens), default=None)
+        hi = min((x for x in self.points if x > tokens), default=None)
+        return lo is not None and hi is not None and (hi <= 2 * lo or lo >= self.SMOOTH_FROM)
+
     def __call__(self, tokens: int) -> float:
         if tokens in self.points:
             return self.points[tokens]
@@ -127,41 +139,33 @@ class VerifyTimes:
 
 class CostModel:
     """What passes cost on this engine (target, drafter, device): kept across requests, so only an
-    engine's first request pays for measuring them."""
+    engine's first request pays for measuring them. Drafting is timed per batch size (a drafter's
+    pass over 64 rows costs more than over one), interpolated like the verify times."""
 
     def __init__(self):
-        self.verify = VerifyTimes()
-        self.draft_per_token: float | None = None
-        self.draft_per_pass: float | None = None  # block drafters
+        self.verify = VerifyTimes()  # by tokens verified (batch x block width)
+        self.draft_token = VerifyTimes()  # seconds per draft token, by batch size (chain drafters)
+        self.draft_pass = VerifyTimes()  # seconds per proposal, by batch size (block and tree drafters)
         self.retry_extra = 0.0  # what a failed retry cost beyond a plain pass, in plain passes
 
     def observe_retry(self, extra: float) -> None:
         self.retry_extra = max(0.0, extra) if self.retry_extra == 0.0 else 0.5 * self.retry_extra + 0.5 * max(0.0, extra)
 
     def observe_pass(self, gamma: int, tokens: int, draft_seconds: float, verify_seconds: float,
-                     per_pass: bool = False) -> None:
-        """A pass that drafted γ tokens (per row) and verified ``tokens`` (batch × block width);
-        ``per_pass``: the drafter's cost does not grow with γ (a block drafter)."""
-        if gamma > 0 and per_pass:
-            old = self.draft_per_pass
-            self.draft_per_pass = draft_seconds if old is None else 0.7 * old + 0.3 * min(draft_seconds, 3 * old)
-        elif gamma > 0:
-            self.observe_draft(gamma, draft_seconds)
+                     per_pass: bool = False, batch: int = 1) -> None:
+        """A pass over ``batch`` rows that drafted γ tokens (per row) and verified ``tokens`` (batch ×
+        block width); ``per_pass``: the drafter's cost does not grow with γ (block and tree drafters)."""
+        if gamma > 0:
+            # a pass that also caught the drafter up on many tokens (its lazy prompt prefill, say)
+            # is not what drafting costs: VerifyTimes clips it to twice the estimate
+            (self.draft_pass if per_pass else self.draft_token).observe(batch, draft_seconds / (1 if per_pass else gamma))
         self.verify.observe(tokens, verify_seconds)
 
-    def observe_draft(self, gamma: int, seconds: float) -> None:
-        per_token = seconds / gamma
-        if self.draft_per_token is None:
-            self.draft_per_token = per_token
-            return
-        # a pass that also caught the drafter up on many tokens (its lazy prompt prefill, say) is
-        # not what one more draft token costs: clip it
-        per_token = min(per_token, 3 * self.draft_per_token)
-        self.draft_per_token = 0.7 * self.draft_per_token + 0.3 * per_token
-
     def for_batch(self, batch: int) -> StaticCosts:
-        per_token = self.draft_per_token if self.draft_per_token is not None else 0.0
-        return StaticCosts(per_token, lambda k: self.verify(batch * k), self.draft_per_pass or 0.0)
+        def at(times: VerifyTimes) -> float:
+            return times(batch) if times.points else 0.0  # not timed yet: the first passes will
+
+        return StaticCosts(at(self.draft_token), lambda k: self.verify(batch * k), at(self.draft_pass))
 
 
 @dataclass
@@ -240,6 +244,9 @@ class GammaController:
         self.off_for = [0] * rows  # passes each row has gone without drafting
         self.wait = [self._first_wait()] * rows  # passes until a row that is off is re-tried
         self.on = [True] * rows
+        self.judged = [False] * rows  # a tree drafter's rows: whether the prior has been weighed
+        self.tree_tokens: list[float | None] = [None] * rows  # tokens per tree pass, a running mean
+        self.tree_width: float | None = None  # block width of tree passes, a running mean
         self.retrying = False  # the pass being chosen/observed is a retry of rows that are off
         self.gammas_used: list[int] = []
 
@@ -250,7 +257,7 @@ class GammaController:
     def verify(self) -> VerifyTimes:
         return self.cost_model.verify
 
-    ROWS = ("alphas", "calibration", "off_for", "wait", "on")  # per-row state, in batch-slot order
+    ROWS = ("alphas", "calibration", "off_for", "wait", "on", "judged", "tree_tokens")  # per-row state, in batch-slot order
     joins = True
 
     def select(self, keep: list[int]) -> None:
@@ -270,7 +277,7 @@ class GammaController:
         """A γ whose verify width this batch size has never timed, narrowest and widest first."""
         batch = len(self.alphas)
         for gamma in (0, cap, cap // 2) if cap == self.gamma_max else (0,):  # not the short passes near the end
-            if batch * (gamma + 1) not in self.verify.points:
+            if not self.verify.covers(batch * (gamma + 1)):
                 return gamma
         return None
 
@@ -302,14 +309,45 @@ class GammaController:
             gamma = _argmax(lambda g: expected_tokens(prior, g) / costs.seconds(g), cap, start=1) if cap else 0
         return gamma, [gamma if (row_on or r) else 0 for row_on, r in zip(on, retry)]
 
+    TREE_MARGIN = 0.9  # trees stop only when they clearly lose: their yield is estimated from few passes
+
     def tree_budget(self, room: int) -> int:
         """Nodes to ask a tree drafter for this pass: its whole budget (``choose_tree`` then keeps
         what pays), or none while every row is off and none is due for a retry: the tree would be
-        cut to nothing, so its drafting (an EAGLE head's forwards for every row) is not paid."""
+        cut to nothing, so its drafting (an EAGLE head's forwards for every row) is not paid.
+        Drafting is paid before the tree is seen, so it is weighed here: new rows start on only if
+        a tree could pay at this batch size on the prior belief, and rows go off while the tokens
+        their trees have been yielding do not pay for drafting and verifying them (a large batch)."""
         cap = max(0, min(self.gamma_max, room))
-        if any(self.on) or self._unmeasured(cap) is not None:
+        if self._unmeasured(cap) is not None:
+            return cap
+        batch = len(self.alphas)
+        if not all(self.judged):
+            prior_pays = choose_batch_gamma([[RowAlpha().prior_mean]], self.costs(batch), cap)[0] > 0
+            for row, judged in enumerate(self.judged):
+                if not judged and not prior_pays:
+                    self._switch_off(row)
+            self.judged = [True] * batch
+        if any(self.on) and not self._trees_pay(batch):
+            for row, on in enumerate(self.on):
+                if on:
+                    self._switch_off(row)
+        if any(self.on):
             return cap
         return cap if any(self._retry_due()) else 0
+
+    def _switch_off(self, row: int) -> None:
+        self.on[row], self.off_for[row] = False, 0
+        self.wait[row] = max(self.wait[row], self._first_wait())
+
+    def _trees_pay(self, batch: int) -> bool:
+        """Whether the rows that are on yield enough per tree pass (drafting included) to beat plain
+        passes, by a margin; True until tree passes at this engine have been timed."""
+        if not self.cost_model.draft_pass.points or self.tree_width is None:
+            return True
+        tokens = sum(t if on and t is not None else 1.0 for t, on in zip(self.tree_tokens, self.on))
+        tree = tokens / (self.cost_model.draft_pass(batch) + self.verify(round(batch * self.tree_width)))
+        return tree >= self.TREE_MARGIN * batch / self.verify(batch)
 
     def choose_tree(self, scores, depths, lengths, budget: int) -> list[int]:
         """Nodes to verify per row from a best-first tree proposal (scores [B, N], sorted by the
@@ -329,6 +367,7 @@ class GammaController:
         sc = (scores.float() * real)[:, :cap].cpu().tolist()
         dp = depths[:, :cap].cpu().tolist()
         retry = [not on and due for on, due in zip(self.on, self._retry_due())]
+        self.retrying = any(retry) and not any(self.on)  # drafted only to re-try rows that were off
         gains = []
         for row in range(batch):
             ratios = (RowCalibration() if retry[row] else self.calibration[row]).ratios(max(dp[row], default=0))
@@ -336,12 +375,13 @@ class GammaController:
             for score, depth in zip(sc[row], dp[row]):
                 gain.append(gain[-1] + score * ratios[depth - 1])
             gains.append(gain)
-        width, on = choose_batch_width(gains, self.costs(batch))
+        # the tree is drafted already: only verifying it costs from here
+        width, on = choose_batch_width(gains, StaticCosts(0.0, lambda k: self.verify(batch * k)))
         for row, row_on in enumerate(on):
             if row_on:
                 self.wait[row] = self.retry_every
             elif retry[row]:  # the retry did not look worth it: wait longer
-                self.wait[row] = min(8 * self.retry_every, 2 * self.wait[row])
+                self.wait[row] = max(min(8 * self.retry_every, 2 * self.wait[row]), self._first_wait())
                 self.off_for[row] = 0
         self.on = on
         return [width if row_on else 0 for row_on in on]
@@ -351,10 +391,17 @@ class GammaController:
         """What a tree pass did: block width, nodes verified, accepted depth, and per row the summed
         scores of its verified nodes at each depth."""
         self.gammas_used.append(width - 1)
-        self.cost_model.observe_pass(0, len(lengths) * width, draft_seconds, verify_seconds)
+        self._observe_retry(len(lengths), draft_seconds, verify_seconds)
+        self.cost_model.observe_pass(width - 1, len(lengths) * width, draft_seconds, verify_seconds, per_pass=True,
+                                     batch=len(lengths))
+        self.tree_width = float(width) if self.tree_width is None else 0.8 * self.tree_width + 0.2 * width
         for row, (d, n, pred) in enumerate(zip(lengths, accepted, predicted)):
             if d > 0:
                 self.calibration[row].observe(pred, n)
+                old = self.tree_tokens[row]
+                if old is None:  # a prior worth several passes: one unlucky tree does not switch a row off
+                    old = expected_tokens(RowAlpha().prior_mean, 3)
+                self.tree_tokens[row] = 0.9 * old + 0.1 * (n + 1)
                 self.off_for[row] = 0
             else:
                 self.off_for[row] += 1
@@ -363,17 +410,23 @@ class GammaController:
                 draft_seconds: float, verify_seconds: float, per_pass: bool = False) -> None:
         """What the pass did: requested γ, verified block width k, drafts and acceptances per row."""
         self.gammas_used.append(gamma)
-        if self.retrying:
-            plain = self.verify(len(lengths))
-            self.cost_model.observe_retry((draft_seconds + verify_seconds) / plain - 1 if plain > 0 else 0.0)
-            self.retrying = False
-        self.cost_model.observe_pass(gamma, len(lengths) * width, draft_seconds, verify_seconds, per_pass)
+        self._observe_retry(len(lengths), draft_seconds, verify_seconds)
+        self.cost_model.observe_pass(gamma, len(lengths) * width, draft_seconds, verify_seconds, per_pass,
+                                     batch=len(lengths))
         for row, (d, n) in enumerate(zip(lengths, accepted)):
             if d > 0:
                 self.alphas[row].observe(d, n)
                 self.off_for[row] = 0
             else:
                 self.off_for[row] += 1
+
+    def _observe_retry(self, batch: int, draft_seconds: float, verify_seconds: float) -> None:
+        """A pass chosen to re-try rows that were off (a chain's, or a tree drafted for them, even
+        one then cut to nothing): what it cost beyond a plain pass sets how long the next waits."""
+        if self.retrying:
+            plain = self.verify(batch)
+            self.cost_model.observe_retry((draft_seconds + verify_seconds) / plain - 1 if plain > 0 else 0.0)
+            self.retrying = False
 
     @property
     def mean_gamma(self) -> float:

@@ -396,7 +396,7 @@ class Engine:
         depth = lens if prop.parents is None else tree_depth(prop.parents, prop.lengths).tolist()
         per_pass = b.drafter.block_drafts
         if auto is None:  # fixed-γ passes teach the costs too
-            self.costs.observe_pass(gamma, len(lens) * width, draft_cost, verify_seconds, per_pass)
+            self.costs.observe_pass(gamma, len(lens) * width, draft_cost, verify_seconds, per_pass, batch=len(lens))
         elif prop.parents is not None:
             auto.observe_tree(width, lens, n_acc, _kept_scores(prop), draft_cost, verify_seconds)
         else:

@@ -317,3 +317,19 @@ def test_drafter_list_keeps_cascade_specs_whole():
 
     assert _drafter_list("ngram,cascade:ngram,layerskip,model:x") == ["ngram", "cascade:ngram,layerskip", "model:x"]
     assert _drafter_list("cascade:model:a,model:b") == ["cascade:model:a,model:b"]
+
+
+def test_serve_load_runs_warm_waves_then_both_modes_and_refuses_bad_options(tmp_path, capsys):
+    from speculant.bench import serve_load
+
+    folder = save_tiny_folder(tmp_path / "tiny", context=128)  # no chat template: raw completions
+    out = tmp_path / "load"
+    assert serve_load.main(["--target", str(folder), "--drafter", "ngram", "--concurrency", "1,4", "--requests", "4",
+                            "--batch1-requests", "2", "--max-tokens", "6", "--warmup-waves", "1", "--port", "0",
+                            "--out", str(out)]) == 0
+    result = json.loads((out / "serve_load.json").read_text())
+    assert result["warmup_waves"] == 1 and result["endpoint"] == "completions"
+    assert [(r["concurrency"], r["speculate"]) for r in result["rows"]] == [(1, False), (1, True), (4, False), (4, True)]
+    assert all(r["failures"] == 0 and r["generated_tokens"] > 0 for r in result["rows"])
+    assert serve_load.main(["--warmup-waves", "-1"]) == 2
+    assert "--warmup-waves >= 0" in capsys.readouterr().err

@@ -167,9 +167,31 @@ def test_costs_carry_over_to_the_next_request():
 
 def test_one_slow_draft_pass_does_not_ruin_the_draft_cost():
     costs = CostModel()
-    costs.observe_draft(4, 0.4)  # 0.1 s per token
-    costs.observe_draft(4, 40.0)  # a pass that also prefilled the drafter
-    assert costs.draft_per_token < 0.2
+    costs.observe_pass(4, 5, 0.4, 1.0)  # 0.1 s per token
+    costs.observe_pass(4, 5, 40.0, 1.0)  # a pass that also prefilled the drafter
+    assert costs.for_batch(1).draft_per_token < 0.2
+
+
+def test_drafting_is_timed_per_batch_size():
+    costs = CostModel()
+    costs.observe_pass(4, 4, 0.4, 1.0, batch=1)
+    costs.observe_pass(4, 64 * 5, 12.8, 9.0, batch=64)
+    costs.observe_pass(0, 6, 1.0, 1.0, per_pass=True, batch=1)  # nothing drafted: nothing learnt
+    assert costs.for_batch(1).draft_per_token == pytest.approx(0.1)
+    assert costs.for_batch(64).draft_per_token == pytest.approx(3.2)
+    assert costs.for_batch(32).draft_per_pass == 0.0
+
+
+def test_a_batch_that_lost_a_row_is_not_measured_again():
+    costs = CostModel()
+    _run(GammaController(rows=64, gamma_max=8, costs=costs), 6, lambda caps: list(caps), lambda k: 1.0 + 0.01 * k)
+    assert sorted(costs.verify.points) == [64, 576]  # widths 1 and 9; 5 (320 tokens) is interpolated
+    smaller = GammaController(rows=62, gamma_max=8, costs=costs)
+    assert smaller._unmeasured(8) is None
+    half = GammaController(rows=40, gamma_max=8, costs=costs)  # 360 tokens: between 320 and 576, interpolated
+    assert half._unmeasured(8) == 0  # only its plain pass (40 tokens) is new: cheap to time
+    costs.verify.observe(40, 1.0)
+    assert half._unmeasured(8) is None
 
 
 def test_an_expensive_retry_waits_long_and_the_next_request_remembers():
@@ -210,6 +232,42 @@ def test_a_tree_drafter_is_not_asked_to_draft_while_every_row_is_off():
                              verify_seconds=1.0 + 0.2 * width)
     late = asked[50:]
     assert 1 <= sum(b > 0 for b in late) <= len(late) // 16, asked
-    # a row whose tree pays keeps being asked every pass
-    ctl.on = [True, False]
+    # a row whose tree pays (its trees yield 5 tokens a pass) keeps being asked every pass
+    ctl.on, ctl.tree_tokens = [True, False], [5.0, 1.0]
     assert ctl.tree_budget(room=50) == 8 and ctl.tree_budget(room=3) == 3
+
+
+def _run_trees(ctl, passes, rows, score, draft_seconds, verify_cost):
+    """Drive a controller with a synthetic tree drafter whose every node is accepted with its score."""
+    import torch
+
+    asked = []
+    for _ in range(passes):
+        budget = ctl.tree_budget(room=50)
+        asked.append(budget)
+        if budget == 0:
+            ctl.observe(0, 1, [0] * rows, [0] * rows, draft_seconds=0.0, verify_seconds=verify_cost(1))
+            continue
+        scores = torch.tensor([score ** d for d in range(1, budget + 1)]).repeat(rows, 1)  # a chain of nodes
+        depths = torch.arange(1, budget + 1).repeat(rows, 1)
+        caps = ctl.choose_tree(scores, depths, torch.full((rows,), budget), budget)
+        width = max(caps) + 1
+        if width == 1:  # cut to nothing: the engine verifies the plain block
+            ctl.observe(0, 1, [0] * rows, [0] * rows, draft_seconds=draft_seconds, verify_seconds=verify_cost(1))
+        else:
+            accepted = [min(c, 2) for c in caps]
+            ctl.observe_tree(width, caps, accepted, [[score ** d for d in range(1, c + 1)] for c in caps],
+                             draft_seconds=draft_seconds, verify_seconds=verify_cost(width))
+    return asked
+
+
+def test_a_tree_drafters_cost_counts_against_its_trees():
+    """The same trees (about 2 accepted tokens a pass) pay when drafting them is cheap, and are
+    switched off, retried only rarely, when drafting costs more than they bring."""
+    def verify(k):
+        return 1.0 + 0.01 * k
+
+    cheap = _run_trees(GammaController(rows=2, gamma_max=8), 200, 2, 0.8, 0.05, verify)
+    dear = _run_trees(GammaController(rows=2, gamma_max=8), 200, 2, 0.8, 3.0, verify)
+    assert sum(b > 0 for b in cheap[50:]) == 150
+    assert sum(b > 0 for b in dear[50:]) <= 150 // 16, dear

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import speculant
-from speculant.constrain import allowed_tokens_processor
 from speculant.drafters import ModelDrafter, NgramDrafter, NoDrafter
 from speculant.sampling import Context, LogitsProcessing, SamplingParams, apply_penalties
 from helpers import mismatch_report, perturbed, tiny_llama

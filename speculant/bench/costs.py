@@ -290,7 +290,7 @@ def end_to_end(target_spec: str, device, dtype, n=128, per_category=2, gamma=5, 
     from ..models.loading import load_model
 
     lm = load_model(target_spec, device=device, dtype=dtype)
-    model, eos = lm.model, lm.eos_token_ids
+    model = lm.model
     prompts = bench_prompts(per_category)
     gpu_compile = compile and device.type == "cuda"
     methods = {

@@ -7,6 +7,9 @@ Starts the server in this process on a loopback port, then for each concurrency 
 bench's prompts (chat, greedy) with the OpenAI client, once with speculation and once with
 ``speculate: false`` (plain decoding through the same engine), and reports requests/s, generated
 tokens/s, p50/p99 latency and time to first token. Writes serve_load.json and prints a table.
+With ``--warmup-waves N``, N unmeasured speculative waves at each level come first: the γ
+controller measures what passes cost at a new batch size once per engine, so the measured waves
+show a server that has run a while (the first wave pays for that measuring).
 """
 from __future__ import annotations
 
@@ -85,6 +88,8 @@ def run(args) -> dict:
     try:
         asyncio.run(_level(url, "bench", prompts, 2, 1, 8, True, chat))  # warm-up
         for c in args.concurrency:
+            for _ in range(args.warmup_waves):
+                asyncio.run(_level(url, "bench", prompts, c, c, args.max_tokens, True, chat))
             for speculate in (False, True):
                 n = args.requests if c > 1 else max(1, min(args.requests, args.batch1_requests))
                 row = asyncio.run(_level(url, "bench", prompts, n, c, args.max_tokens, speculate, chat))
@@ -99,7 +104,7 @@ def run(args) -> dict:
     stats = app.state.speculant["metrics"].totals
     return {"target": args.target, "drafter": gen.drafter.describe(), "backend": gen.backend.info(),
             "max_tokens": args.max_tokens, "endpoint": "chat" if chat else "completions", "machine": platform.processor() or platform.machine(),
-            "server_totals": stats, "rows": rows}
+            "warmup_waves": args.warmup_waves, "server_totals": stats, "rows": rows}
 
 
 def main(argv=None) -> int:
@@ -113,15 +118,19 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=64, help="requests per level (concurrency > 1)")
     p.add_argument("--batch1-requests", type=int, default=8, help="requests at concurrency 1")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--warmup-waves", type=int, default=0,
+                   help="unmeasured speculative waves of `concurrency` requests before each level")
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--out", default=None, help="folder for serve_load.json")
     args = p.parse_args(argv)
     try:
         args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
-        if not args.concurrency or min(args.concurrency) < 1 or args.requests < 1 or args.max_tokens < 1:
+        if (not args.concurrency or min(args.concurrency) < 1 or args.requests < 1 or args.max_tokens < 1
+                or args.warmup_waves < 0):
             raise ValueError
     except ValueError:
-        print("serve_load: error: --concurrency must be integers >= 1; --requests and --max-tokens >= 1",
+        print("serve_load: error: --concurrency must be integers >= 1; --requests and --max-tokens >= 1; "
+              "--warmup-waves >= 0",
               file=sys.stderr)
         return 2
     try:
