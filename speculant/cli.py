@@ -53,7 +53,7 @@ def sampling_from_args(args) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     from .drafters import DRAFTER_HELP
 
-    drafter_help = f"{DRAFTER_HELP}; default: the trained drafter shipped for the target, else ngram"
+    drafter_help = f"{DRAFTER_HELP}; default: the trained drafter shipped for the target (a tree drafter +ngram), else ngram"
 
     parser = argparse.ArgumentParser(prog="speculant", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)

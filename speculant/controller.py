@@ -158,7 +158,10 @@ class CostModel:
         if gamma > 0:
             # a pass that also caught the drafter up on many tokens (its lazy prompt prefill, say)
             # is not what drafting costs: VerifyTimes clips it to twice the estimate
-            (self.draft_pass if per_pass else self.draft_token).observe(batch, draft_seconds / (1 if per_pass else gamma))
+            if per_pass:
+                self.draft_pass.observe(batch, draft_seconds)
+            else:
+                self.draft_token.observe(batch, draft_seconds / gamma)
         self.verify.observe(tokens, verify_seconds)
 
     def for_batch(self, batch: int) -> StaticCosts:
@@ -257,7 +260,8 @@ class GammaController:
     def verify(self) -> VerifyTimes:
         return self.cost_model.verify
 
-    ROWS = ("alphas", "calibration", "off_for", "wait", "on", "judged", "tree_tokens")  # per-row state, in batch-slot order
+    # per-row state, in batch-slot order
+    ROWS = ("alphas", "calibration", "off_for", "wait", "on", "judged", "tree_tokens")
     joins = True
 
     def select(self, keep: list[int]) -> None:

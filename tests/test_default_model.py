@@ -110,12 +110,12 @@ def test_bfloat16_compiled_fast_path_differs_from_hf_only_at_near_ties(choice):
 
 @pytest.mark.slow
 def test_the_shipped_drafter_is_the_default_models_default(default_model):
-    """The EAGLE head trained for the default target ships in the package (no download) and is what
-    a user gets without --drafter."""
+    """The EAGLE head trained for the default target ships in the package (no download) and, merged
+    with prompt lookup, is what a user gets without --drafter."""
     from speculant.drafters import default_drafter
     from speculant.trained.format import shipped_for
 
     folder = shipped_for(default_model.model, "eagle")
     assert folder is not None and folder.is_relative_to(speculant.__path__[0])
-    assert default_drafter(default_model) == f"trained:{folder}"
+    assert default_drafter(default_model) == f"trained:{folder}+ngram"
     assert sum(f.stat().st_size for f in folder.iterdir()) < 30 * 2**20

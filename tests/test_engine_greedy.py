@@ -219,11 +219,13 @@ def test_device_map_loads_with_accelerate_and_a_split_model_runs_on_the_general_
 def _joining_drafter(kind, target, tmp_path):
     from speculant.drafters import SuffixDrafter
 
-    if kind == "eagle":
+    if kind in ("eagle", "eagle+ngram"):
         from speculant.drafters.eagle import load_eagle
+        from speculant.drafters.hybrid import HybridDrafter
         from test_eagle import _random_eagle_folder
 
-        return load_eagle(_random_eagle_folder(tmp_path, target, scale=0.3), target, "tiny")
+        eagle = load_eagle(_random_eagle_folder(tmp_path, target, scale=0.3), target, "tiny")
+        return eagle if kind == "eagle" else HybridDrafter(eagle)
     if kind == "dflash":
         from speculant.drafters.dflash import load_dflash
         from test_dflash import _random_drafter_folder
@@ -238,7 +240,7 @@ def _joining_drafter(kind, target, tmp_path):
 
 
 @pytest.mark.parametrize("path", ["general", "fast"])
-@pytest.mark.parametrize("kind", ["none", "ngram", "suffix", "eagle", "dflash", "medusa"])
+@pytest.mark.parametrize("kind", ["none", "ngram", "suffix", "eagle", "dflash", "medusa", "eagle+ngram"])
 def test_rows_joining_a_running_batch_decode_as_alone(tmp_path, path, kind):
     """Continuous batching: batches started later join a running one between passes (rows at
     different lengths, caches of different sizes, drafter and controller state carried over); every

@@ -15,8 +15,10 @@ TRAINED = ("dflash:", "eagle:", "medusa:", "trained:")  # a trained drafter's fo
 SHIPPED = ("eagle", "dflash", "medusa")  # the drafter of that kind shipped inside the package for the target
 DRAFTER_HELP = (
     "none | ngram | ngram:tree | suffix | suffix:arctic | eagle | dflash | medusa (the one shipped for the target) | eagle:DIR | dflash:DIR | medusa:DIR | trained:DIR | model:PATH (PATH: a model folder, a .gguf file, or 'default'; another tokenizer works "
-    "through text) | layerskip[:FILE.json|:A-B:STEP] | cascade:A,B (A: ngram or model:PATH, B: model:PATH or layerskip)"
+    "through text) | layerskip[:FILE.json|:A-B:STEP] | cascade:A,B (A: ngram or model:PATH, B: model:PATH or layerskip) | "
+    "X+ngram (X: a tree drafter, eagle or medusa: its tree and prompt lookup merged)"
 )
+HYBRID = "+ngram"
 
 
 def same_vocabulary(target_tok, draft_tok) -> bool:
@@ -52,6 +54,14 @@ def validate_drafter_spec(spec) -> None:
         return
     if not isinstance(spec, str) or not spec:
         raise SpeculantError(f"unknown drafter {spec!r}: use {DRAFTER_HELP}")
+    if spec.endswith(HYBRID):
+        base = spec[: -len(HYBRID)]
+        if base in ("none", "ngram", "ngram:tree", "suffix", "suffix:arctic", "dflash") or base.startswith(
+                ("dflash:", "model:", "layerskip", "cascade:")):
+            raise SpeculantError(f"{spec!r}: the drafter before +ngram must draft token trees (eagle, medusa, "
+                                 "eagle:DIR, medusa:DIR)")
+        validate_drafter_spec(base)
+        return
     if spec in ("none", "ngram", "ngram:tree", "suffix", *SHIPPED):  # a bare kind: the one shipped for the target
         return
     if spec == "suffix:arctic":
@@ -112,11 +122,14 @@ def load_trained(folder: str, target) -> Drafter:
 
 def default_drafter(target) -> str:
     """The drafter a target gets when none is named: the trained one shipped for it (it ships only
-    where it measured faster than the model-free ones), else ngram."""
-    from ..trained.format import shipped_for
+    where it measured faster than the model-free ones), a tree drafter merged with prompt lookup
+    (faster still: it wins where the answer copies its context), else ngram."""
+    from ..trained.format import drafter_kind, read_config, shipped_for
 
     folder = shipped_for(target.model)
-    return f"trained:{folder}" if folder is not None else "ngram"
+    if folder is None:
+        return "ngram"
+    return f"trained:{folder}" + (HYBRID if drafter_kind(read_config(folder)) in ("eagle", "medusa") else "")
 
 
 def make_drafter(spec, target, device=None, dtype=None) -> Drafter:
@@ -124,6 +137,10 @@ def make_drafter(spec, target, device=None, dtype=None) -> Drafter:
     if isinstance(spec, Drafter):
         return spec
     validate_drafter_spec(spec)
+    if spec.endswith(HYBRID):
+        from .hybrid import HybridDrafter
+
+        return HybridDrafter(make_drafter(spec[: -len(HYBRID)], target, device, dtype))
     if spec == "none":
         return NoDrafter()
     if spec == "ngram":

@@ -1,0 +1,126 @@
+"""``X+ngram``: a tree drafter (EAGLE, Medusa) and prompt lookup, merged into one token tree.
+
+A trained head predicts well where the answer is new text (chat, code, math) and poorly where it
+copies its context (translation, summaries, RAG); prompt lookup is the other way round and costs
+next to nothing. Each pass the tree drafter proposes its tree and ``ngram`` the continuation of the
+latest match; the two are merged by token path (a path both propose once) and listed best first
+by score, so the engine's controller keeps the nodes worth verifying from either.
+
+Scores estimate each node's chance of being on the target's path. The tree drafter brings its
+own; a lookup node at depth d scores α̂^d, where α̂ is the row's running share of lookup drafts
+the target accepted (a path both propose takes the larger score). Scores never grow along a path,
+so best first lists every parent before its children and any prefix is a tree.
+
+Both drafts are deterministic functions of the accepted text (q one-hot), so greedy and sampled
+verification stay exact.
+"""
+from __future__ import annotations
+
+from ..errors import SpeculantError
+from .base import DraftContext, Drafter, Proposal, tree_proposal
+from .ngram import NgramDrafter
+
+LOOKUP_DECAY = 0.9  # per pass: how fast a row's lookup acceptance estimate follows the text
+
+
+def merge_trees(tree: tuple[list[int], list[int], list[float]], chain: list[int], chain_alpha: float,
+                budget: int) -> tuple[list[int], list[int], list[float]]:
+    """One row: a best-first tree (tokens, parents, scores) and a chain of lookup tokens -> their
+    union by token path, the ``budget`` best nodes, best first (tokens, parents, scores)."""
+    tokens, parents, scores = tree
+    paths: list[tuple] = []
+    score: dict[tuple, float] = {}
+    for tok, par, sc in zip(tokens, parents, scores):
+        path = (paths[par] if par >= 0 else ()) + (tok,)
+        paths.append(path)
+        score[path] = sc
+    for d in range(1, len(chain) + 1):
+        path = tuple(chain[:d])
+        score[path] = max(score.get(path, 0.0), chain_alpha ** d)
+    # best first: ties go to the shallower, so a parent (never below its child) comes first
+    kept = sorted(score, key=lambda p: (-score[p], len(p)))[:budget]
+    index = {p: i for i, p in enumerate(kept)}
+    return [p[-1] for p in kept], [index[p[:-1]] if len(p) > 1 else -1 for p in kept], [score[p] for p in kept]
+
+
+class HybridDrafter(Drafter):
+    makes_trees = True
+
+    def __init__(self, tree: Drafter, label: str | None = None):
+        if not tree.makes_trees:
+            raise SpeculantError(f"'{tree.describe()}+ngram': the drafter before +ngram must draft token trees "
+                                 "(eagle, medusa)")
+        self.tree, self.lookup = tree, NgramDrafter()
+        self.name = f"{tree.name}+ngram"
+        self.label = label or tree.describe()
+        self.hidden_layers = tree.hidden_layers
+        self.block_drafts = tree.block_drafts
+        self.max_gamma = tree.max_gamma
+        self.joins = tree.joins
+
+    def describe(self) -> str:
+        return f"{self.label}+ngram"
+
+    @property
+    def catchup_seconds(self) -> float:
+        return self.tree.catchup_seconds
+
+    def start(self, ctx: DraftContext) -> None:
+        self.ctx = ctx
+        self.tree.start(ctx)
+        self.lookup.start(ctx)
+        rows = len(ctx.prompts)
+        self.hits, self.judged = [1.0] * rows, [2.0] * rows  # lookup acceptance, a Beta(1, 1) prior
+        self.last_chain: list[list[int]] = [[] for _ in range(rows)]
+
+    def propose(self, gamma: int) -> Proposal:
+        prop, lookup = self.tree.propose(gamma), self.lookup.propose(gamma)
+        chains = [row[:k] for row, k in zip(lookup.tokens.tolist(), lookup.lengths.tolist())]
+        self.last_chain = chains
+        n = prop.lengths.tolist()
+        toks, pars = prop.tokens.tolist(), prop.parents.tolist()
+        if prop.scores is not None:
+            scs = prop.scores.float().tolist()
+        else:  # a tree without scores: its own best-first order, as falling scores
+            width = prop.tokens.shape[1]
+            scs = [[1 - i / (width + 1) for i in range(width)]] * len(toks)
+        trees = [merge_trees((toks[b][: n[b]], pars[b][: n[b]], scs[b][: n[b]]), chains[b],
+                             self.hits[b] / self.judged[b], max(gamma, 1))
+                 for b in range(len(chains))]
+        return tree_proposal(trees, self.ctx.device)
+
+    def observe_hidden(self, hidden) -> None:
+        self.tree.observe_hidden(hidden)
+
+    def update(self, new_tokens, n_accepted) -> None:
+        for row, (chain, new) in enumerate(zip(self.last_chain, new_tokens)):
+            if chain:  # how far the lookup chain ran along what the target accepted
+                m = 0
+                while m < min(len(chain), len(new)) and chain[m] == new[m]:
+                    m += 1
+                self.hits[row] = LOOKUP_DECAY * self.hits[row] + m
+                self.judged[row] = LOOKUP_DECAY * self.judged[row] + min(m + 1, len(chain), len(new))
+        self.last_chain = [[] for _ in new_tokens]
+        self.tree.update(new_tokens, n_accepted)
+        self.lookup.update(new_tokens, n_accepted)
+
+    def select(self, rows) -> None:
+        self.tree.select(rows)
+        self.lookup.select(rows)
+        self.hits, self.judged = [self.hits[r] for r in rows], [self.judged[r] for r in rows]
+        self.last_chain = [self.last_chain[r] for r in rows]
+
+    def fork(self) -> "HybridDrafter":
+        other = super().fork()
+        other.tree, other.lookup = self.tree.fork(), self.lookup.fork()
+        return other
+
+    def join(self, other: "HybridDrafter") -> None:
+        self.tree.join(other.tree)
+        self.lookup.join(other.lookup)
+        self.hits, self.judged = self.hits + other.hits, self.judged + other.judged
+        self.last_chain = self.last_chain + other.last_chain
+
+    def finish(self) -> None:
+        self.tree.finish()
+        self.lookup.finish()

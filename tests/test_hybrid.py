@@ -1,0 +1,90 @@
+"""X+ngram: a tree drafter's tree and prompt lookup merged into one tree, exactly."""
+import pytest
+import torch
+
+import speculant
+from speculant.drafters import make_drafter, validate_drafter_spec
+from speculant.drafters.eagle import load_eagle
+from speculant.drafters.hybrid import HybridDrafter, merge_trees
+from speculant.errors import SpeculantError
+from helpers import hf_greedy, mismatch_report, tiny_llama
+from test_eagle import _random_eagle_folder
+from test_engine_sampling import PARAMS, exact_distribution, fit_pvalue, peaked, sample_counts
+
+
+def _paths(tokens, parents):
+    out = []
+    for tok, par in zip(tokens, parents):
+        out.append((out[par] if par >= 0 else ()) + (tok,))
+    return out
+
+
+def test_merge_keeps_each_path_once_best_first_within_the_budget():
+    # tree: 5 (0.6) -> 7 (0.3); 9 (0.2). lookup chain 5 8 4 at α̂ 0.5: 5 (0.5), 5 8 (0.25), 5 8 4 (0.125)
+    tree = ([5, 7, 9], [-1, 0, -1], [0.6, 0.3, 0.2])
+    tokens, parents, scores = merge_trees(tree, [5, 8, 4], 0.5, budget=10)
+    paths = _paths(tokens, parents)
+    assert dict(zip(paths, scores)) == {(5,): 0.6, (5, 7): 0.3, (5, 8): 0.25, (9,): 0.2, (5, 8, 4): 0.125}
+    assert scores == sorted(scores, reverse=True) and all(p < i for i, p in enumerate(parents))
+    small = merge_trees(tree, [5, 8, 4], 0.5, budget=3)
+    assert _paths(*small[:2]) == [(5,), (5, 7), (5, 8)]
+    sure = merge_trees(tree, [5, 8, 4], 0.95, budget=4)  # a lookup the text has been confirming comes first
+    assert _paths(*sure[:2]) == [(5,), (5, 8), (5, 8, 4), (5, 7)]
+    assert merge_trees(([], [], []), [], 0.5, budget=4) == ([], [], [])
+
+
+def _prompts(batch):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randint(2, 96, (4,), generator=g).tolist() * 6)[: 5 + 3 * i] for i in range(batch)]
+
+
+@pytest.mark.parametrize("path", ["general", "fast"])
+@pytest.mark.parametrize("batch,gamma", [(1, 6), (4, "auto"), (4, 12)])
+def test_greedy_identical_to_hf_generate(tmp_path, path, batch, gamma):
+    target = tiny_llama(0, layers=2)
+    drafter = HybridDrafter(load_eagle(_random_eagle_folder(tmp_path, target, scale=0.3), target, "tiny"))
+    prompts = _prompts(batch)
+    outs = speculant.generate(target, prompts, drafter=drafter, gamma=gamma, max_new_tokens=30, path=path)
+    for p, out in zip(prompts, outs):
+        ref = hf_greedy(target, p, 30)
+        assert out.token_ids == ref, mismatch_report(target, p, ref, out.token_ids)
+    assert sum(o.stats["accepted_draft_tokens"] for o in outs) > 0
+    assert outs[0].stats["drafter"].endswith("+ngram")
+
+
+def test_sampling_matches_the_target_distribution(tmp_path):
+    target = peaked(0)
+    drafter = HybridDrafter(load_eagle(_random_eagle_folder(tmp_path, target, scale=0.0), target, "tiny"))
+    params = PARAMS["t=0.8,top_k=3,rep=1.3"]
+    counts, alpha = sample_counts(target, drafter, params, seed=17)
+    pvalue = fit_pvalue(counts, exact_distribution(target, params))
+    assert pvalue > 1e-4, f"chi-square p-value {pvalue:.2e} (acceptance {alpha:.2f})"
+    assert 0.02 < alpha < 0.98, alpha
+
+
+@pytest.mark.parametrize("spec", ["ngram+ngram", "dflash+ngram", "model:x+ngram", "cascade:ngram,model:x+ngram"])
+def test_a_chain_drafter_before_plus_ngram_is_refused_in_one_line(spec):
+    with pytest.raises(SpeculantError, match="must draft token trees"):
+        validate_drafter_spec(spec)
+
+
+def test_specs_build_the_hybrid(tmp_path):
+    from speculant.models import LoadedModel
+
+    target = tiny_llama(0, layers=2)
+    folder = _random_eagle_folder(tmp_path, target)
+    validate_drafter_spec(f"eagle:{folder}+ngram")
+    drafter = make_drafter(f"eagle:{folder}+ngram", LoadedModel(target, None, "tiny"))
+    assert isinstance(drafter, HybridDrafter) and drafter.describe() == f"eagle:{folder}+ngram"
+    with pytest.raises(SpeculantError, match="unknown drafter"):
+        validate_drafter_spec("hawk+ngram")
+
+
+def test_export_gives_vllm_the_tree_drafter_alone(tmp_path):
+    from pathlib import Path
+
+    from speculant.export import vllm_config
+
+    folder = _random_eagle_folder(tmp_path, tiny_llama(0, layers=2))
+    cfg = vllm_config(f"eagle:{folder}+ngram")
+    assert cfg == vllm_config(f"eagle:{folder}") and cfg["model"] == str(Path(folder).resolve())
