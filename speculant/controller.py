@@ -313,7 +313,7 @@ class GammaController:
             gamma = _argmax(lambda g: expected_tokens(prior, g) / costs.seconds(g), cap, start=1) if cap else 0
         return gamma, [gamma if (row_on or r) else 0 for row_on, r in zip(on, retry)]
 
-    TREE_MARGIN = 0.9  # trees stop only when they clearly lose: their yield is estimated from few passes
+    TREE_MARGIN = 0.7  # trees stop only when they clearly lose: their yield and costs are rough estimates
 
     def tree_budget(self, room: int) -> int:
         """Nodes to ask a tree drafter for this pass: its whole budget (``choose_tree`` then keeps
