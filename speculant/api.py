@@ -127,7 +127,8 @@ class Generator:
         prompt; ``row_sampling``: one dict of sampling settings (and logprobs) per prompt, over ``sampling``."""
         row_sampling = sampling.pop("row_sampling", row_sampling)  # generate_ids(..., row_sampling=[...]) too
         if row_sampling is not None:
-            if not isinstance(row_sampling, list) or len(row_sampling) != len(prompt_ids):
+            if (not isinstance(row_sampling, list) or len(row_sampling) != len(prompt_ids)
+                    or not all(isinstance(d, dict) for d in row_sampling)):
                 raise SpeculantError(f"row_sampling must be a list of {len(prompt_ids)} dicts, one per prompt")
             rows = [_sampling_params(sampling | dict(d)) for d in row_sampling]
             params, logprobs = [p for p, _ in rows], [n for _, n in rows]

@@ -233,6 +233,9 @@ class RowCalibration:
         return out
 
 
+TREE_PRIOR_TOKENS = expected_tokens(RowAlpha().prior_mean, 3)  # a tree pass's yield before any is seen
+
+
 class GammaController:
     """Chooses γ (or, for a drafter of token trees, the nodes per pass) each pass of one request and
     learns from what the pass did."""
@@ -327,7 +330,8 @@ class GammaController:
             return cap
         batch = len(self.alphas)
         if not all(self.judged):
-            prior_pays = choose_batch_gamma([[RowAlpha().prior_mean]], self.costs(batch), cap)[0] > 0
+            # at the full budget: a pass near a row's end (little room) says nothing of the rows' prospects
+            prior_pays = choose_batch_gamma([[RowAlpha().prior_mean]], self.costs(batch), self.gamma_max)[0] > 0
             for row, judged in enumerate(self.judged):
                 if not judged and not prior_pays:
                     self._switch_off(row)
@@ -349,7 +353,8 @@ class GammaController:
         passes, by a margin; True until tree passes at this engine have been timed."""
         if not self.cost_model.draft_pass.points or self.tree_width is None:
             return True
-        tokens = sum(t if on and t is not None else 1.0 for t, on in zip(self.tree_tokens, self.on))
+        tokens = sum((TREE_PRIOR_TOKENS if t is None else t) if on else 1.0  # rows new to trees: the prior
+                     for t, on in zip(self.tree_tokens, self.on))
         tree = tokens / (self.cost_model.draft_pass(batch) + self.verify(round(batch * self.tree_width)))
         return tree >= self.TREE_MARGIN * batch / self.verify(batch)
 
@@ -404,7 +409,7 @@ class GammaController:
                 self.calibration[row].observe(pred, n)
                 old = self.tree_tokens[row]
                 if old is None:  # a prior worth several passes: one unlucky tree does not switch a row off
-                    old = expected_tokens(RowAlpha().prior_mean, 3)
+                    old = TREE_PRIOR_TOKENS
                 self.tree_tokens[row] = 0.9 * old + 0.1 * (n + 1)
                 self.off_for[row] = 0
             else:

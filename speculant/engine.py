@@ -207,7 +207,8 @@ class Engine:
         proc = LogitsProcessing(req.row_params(), self.vocab_size)
         generator = torch.Generator(device=dev)
         # the batch's stream (drafters, unseeded rows); seeded rows draw from streams of their own
-        generator.manual_seed(req.seed if isinstance(req.seed, int) else int(torch.randint(0, 2**62, (1,))))
+        generator.manual_seed(row_seed(req.seed, -1) if isinstance(req.seed, int)  # any int: mixed into 63 bits
+                              else int(torch.randint(0, 2**62, (1,))))
         stats = dict(drafter=drafter.describe(), gamma=req.gamma, backend=self.backend.info())
         n = len(req.prompts)
         rows = [Row(list(p), req.limit(r), req.stop_for(r), _cancel(req.cancelled, r),
@@ -394,7 +395,7 @@ class Engine:
         draft_cost = draft_seconds - (b.drafter.catchup_seconds if gamma > 0 else 0.0)
         # judged positions per row: a chain's length, a tree's depth
         depth = lens if prop.parents is None else tree_depth(prop.parents, prop.lengths).tolist()
-        per_pass = b.drafter.block_drafts
+        per_pass = b.drafter.block_drafts or b.drafter.makes_trees  # a tree's cost does not grow with its nodes
         if auto is None:  # fixed-γ passes teach the costs too
             self.costs.observe_pass(gamma, len(lens) * width, draft_cost, verify_seconds, per_pass, batch=len(lens))
         elif prop.parents is not None:

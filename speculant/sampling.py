@@ -301,6 +301,10 @@ class LogitsProcessing:
                 raise SpeculantError(f"logit bias token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
         self._settings: list[_OneSetting] = [_OneSetting(params)] if self.rows is None else []
         self._group()
+        # the forms of text the batch keeps (its histories are built from them at its start): a
+        # batch keeps them when the rows that needed them leave, and joins only batches that keep
+        # the same
+        self._forms = tuple(any(f) for f in zip(*(s.params.forms for s, _ in self.groups)))
 
     def _group(self) -> None:
         """Rows by equal settings: [(setting, row indexes)] (one group with rows None: every row)."""
@@ -332,8 +336,9 @@ class LogitsProcessing:
 
     @property
     def forms(self) -> tuple[bool, bool, bool]:
-        """The forms of the text so far any row's processing reads (see SamplingParams.forms)."""
-        return tuple(any(f) for f in zip(*(s.params.forms for s, _ in self.groups)))
+        """The forms of the text so far the batch's processing reads (see SamplingParams.forms),
+        as they were at its start."""
+        return self._forms
 
     @property
     def uses_context(self) -> bool:
@@ -460,7 +465,7 @@ class SeededRows:
         # index comes back next pass); at most KEEP of them, so memory stays bounded
         self.cache: list[dict[int, torch.Tensor]] = [{} for _ in seeds]
 
-    KEEP = 8
+    KEEP = 4
 
     @property
     def any(self) -> bool:

@@ -18,6 +18,8 @@ from helpers import tiny_llama
     (([1, 2, 3],), {"gamma": 0}, "gamma"),
     (([1, 2, 3],), {"seed": "7", "temperature": 1.0}, "seed must be an integer"),
     (([[1, 2], [3, 4]],), {"seed": [1], "temperature": 1.0}, "one per prompt"),
+    (([[1, 2], [3, 4]],), {"row_sampling": [{}, "hot"]}, "row_sampling must be a list of 2 dicts"),
+    (([1, 2, 3],), {"row_sampling": [{"temprature": 1.0}]}, "unknown sampling setting"),
 ])
 def test_bad_generate_arguments(args, kwargs, message):
     with pytest.raises(SpeculantError, match=message):

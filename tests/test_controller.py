@@ -237,6 +237,24 @@ def test_a_tree_drafter_is_not_asked_to_draft_while_every_row_is_off():
     assert ctl.tree_budget(room=50) == 8 and ctl.tree_budget(room=3) == 3
 
 
+def test_new_rows_are_judged_at_the_full_budget_and_count_the_prior_yield():
+    """A pass near a row's end (no room to draft) does not switch new rows off for good, and rows
+    that join a paying batch count the prior's yield, not none."""
+    costs = CostModel()
+    costs.verify.observe(1, 1.0)
+    costs.verify.observe(9, 1.1)
+    costs.verify.observe(4, 1.05)
+    costs.observe_pass(8, 9, 0.2, 1.1, per_pass=True, batch=1)
+    ctl = GammaController(rows=2, gamma_max=8, costs=costs)
+    assert ctl.tree_budget(room=0) == 0
+    assert ctl.tree_budget(room=16) == 8 and ctl.on == [True, True]
+    one = GammaController(rows=1, gamma_max=8, costs=costs)
+    one.tree_width, one.tree_tokens = 9.0, [3.0]
+    one.judged = [True]
+    one.join(GammaController(rows=3, gamma_max=8, costs=costs))
+    assert one.tree_budget(room=16) == 8 and all(one.on)
+
+
 def _run_trees(ctl, passes, rows, score, draft_seconds, verify_cost):
     """Drive a controller with a synthetic tree drafter whose every node is accepted with its score."""
     import torch

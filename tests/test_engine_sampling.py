@@ -132,6 +132,13 @@ def test_seeded_rows_with_the_wrong_noise_fail_the_distribution_test(monkeypatch
     assert pvalue < 1e-6, f"the wrong noise went unnoticed (p-value {pvalue:.2e})"
 
 
+def test_any_integer_seeds_a_request():
+    target = peaked(0)
+    runs = [speculant.generate(target, PROMPT, drafter="ngram", max_new_tokens=8, seed=s, temperature=1.0).token_ids
+            for s in (2**70, 2**70, -3)]
+    assert runs[0] == runs[1] and len(runs[2]) == 8
+
+
 def test_same_seed_same_output_different_seed_differs():
     target = peaked(0)
     a = speculant.generate(target, PROMPT, drafter=ModelDrafter(peaked(1)), gamma=4, max_new_tokens=20, seed=5, temperature=1.0)

@@ -295,3 +295,26 @@ def test_a_batch_with_other_settings_joins_a_running_one(path):
             pass
     rows = gen.engine.finish(running)
     assert [r.tokens for r in rows] == alone
+
+
+def test_a_batch_keeps_the_forms_it_started_with_when_the_rows_that_needed_them_leave():
+    """A batch whose penalised row has left still keeps output counts in its histories, so it
+    refuses a batch that keeps none (before touching either), and goes on as before."""
+    from speculant.models import LoadedModel
+
+    target = tiny_llama(0, layers=2)
+    gen = speculant.Generator(LoadedModel(target, None, "tiny"), ModelDrafter(perturbed(target, 0.3, seed=4)), gamma=3)
+    prompts = [[5, 6, 7, 5, 6], [9, 8, 7, 9, 8]]
+    settings = [dict(repetition_penalty=1.2, presence_penalty=0.5), dict(repetition_penalty=1.2)]
+    alone = gen.generate_ids(prompts[1:], max_new_tokens=20, **settings[1])[0].token_ids
+    running = gen.start_batch(prompts, [1, 20], [[], []], row_sampling=settings)
+    for _ in gen.engine.step(running):
+        pass
+    assert len(running.active) == 1 and running.proc.forms == (True, True, False)
+    other = gen.start_batch(prompts[1:], [20], [[]], **settings[1])
+    assert not running.can_join(other)
+    gen.engine.finish(other)
+    while not running.done:
+        for _ in gen.engine.step(running):
+            pass
+    assert gen.engine.finish(running)[1].tokens == alone

@@ -146,6 +146,7 @@ def test_seeded_choices_share_batches_and_keep_their_text(folder):
     ({"model": "tiny", "prompt": "w1", "gamma": 0}, 400, None),
     ({"model": "tiny"}, 400, "prompt"),
     ({"model": "tiny", "prompt": [5, 100000]}, 400, "prompt"),
+    ({"model": "tiny", "prompt": "w1", "logit_bias": {"1000000": 5}}, 400, None),  # refused before it shares a batch
     ({"model": "other", "prompt": "w1"}, 404, "model"),
 ])
 def test_bad_requests_get_openai_error_bodies(served, body, status, param):

@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..api import TextStream, check_gamma
 from ..errors import SpeculantError
-from ..sampling import SamplingParams, row_seed
+from ..sampling import LogitsProcessing, SamplingParams, row_seed
 from .metrics import Metrics
 from .scheduler import BATCH_SETTINGS, Job, QueueFull, Scheduler
 
@@ -213,8 +213,8 @@ def create_app(generator, model_name: str = "default", api_key: str | None = Non
         settings = dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
                         repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
                         frequency_penalty=body.frequency_penalty, logit_bias=body.logit_bias or None)
-        try:
-            SamplingParams(**settings)
+        try:  # checked here, not in the batch: one request's bad bias must not fail the others
+            LogitsProcessing(SamplingParams(**settings), generator.target.vocab_size)
             gamma = check_gamma(body.gamma) if body.gamma is not None else None
         except SpeculantError as e:
             raise ApiError(400, str(e)) from None
