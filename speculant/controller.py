@@ -305,7 +305,7 @@ class GammaController:
             if row_on:
                 self.wait[row] = self.retry_every  # it was paying: re-try soon if it stops
             elif self.on[row] is False and self.off_for[row] == 0:  # the last pass was a retry, and it failed
-                self.wait[row] = max(min(8 * self.retry_every, 2 * self.wait[row]), self._first_wait())
+                self._back_off(row)
         self.on = on
         retry = [not row_on and due for row_on, due in zip(on, self._retry_due())]
         self.retrying = any(retry) and gamma == 0
@@ -343,6 +343,10 @@ class GammaController:
         if any(self.on):
             return cap
         return cap if any(self._retry_due()) else 0
+
+    def _back_off(self, row: int) -> None:
+        """A retry of this row failed: wait twice as long (up to 8 x retry_every) before the next."""
+        self.wait[row] = max(min(8 * self.retry_every, 2 * self.wait[row]), self._first_wait())
 
     def _switch_off(self, row: int) -> None:
         self.on[row], self.off_for[row] = False, 0
@@ -390,7 +394,7 @@ class GammaController:
             if row_on:
                 self.wait[row] = self.retry_every
             elif retry[row]:  # the retry did not look worth it: wait longer
-                self.wait[row] = max(min(8 * self.retry_every, 2 * self.wait[row]), self._first_wait())
+                self._back_off(row)
                 self.off_for[row] = 0
         self.on = on
         return [width if row_on else 0 for row_on in on]

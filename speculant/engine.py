@@ -239,10 +239,10 @@ class Engine:
         logits, hidden = out if taps else (out, None)
         scores = proc.scores(logits[:, -1], context)
         probs = None if proc.greedy else proc.warp(scores)  # a greedy row among sampled ones: one-hot
-        pending = scores.argmax(-1) if probs is None else torch.multinomial(probs, 1, generator=generator).squeeze(1)
-        if seeded.any:
-            won = seeded.choose(probs[:, None], torch.zeros(n, 1, dtype=torch.long, device=dev))[:, 0]
-            pending = torch.where(seeded.mask, won, pending)
+        if probs is None:
+            pending = scores.argmax(-1)
+        else:
+            pending = seeded.override(probs, torch.multinomial(probs, 1, generator=generator).squeeze(1))
         seeded.advance([1] * n)
         top_n = req.row_logprobs()
         logprobs = _logprobs(top_n, proc, scores[:, None], None if probs is None else probs[:, None],

@@ -311,7 +311,6 @@ class LogitsProcessing:
         if self.rows is None:
             self.groups = [(self._settings[0], None)]
             return
-        known = {id(s.params): s for s in self._settings}
         groups = []
         for r, p in enumerate(self.rows):
             for setting, idx in groups:
@@ -319,7 +318,7 @@ class LogitsProcessing:
                     idx.append(r)
                     break
             else:  # keep a setting's processing (its cached bias) while its rows stay
-                setting = next((s for s in known.values() if s.params == p), None) or _OneSetting(p)
+                setting = next((s for s in self._settings if s.params == p), None) or _OneSetting(p)
                 groups.append((setting, [r]))
         self._settings = [s for s, _ in groups]
         self.groups = [(s, None) for s, _ in groups] if len(groups) == 1 else groups
@@ -398,10 +397,7 @@ class LogitsProcessing:
             return self.scores(logits, ctx).argmax(-1), None
         probs = self.probs(logits, ctx)
         tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-        if seeded is not None and seeded.any:
-            offsets = torch.full((probs.shape[0], 1), offset, dtype=torch.long, device=probs.device)
-            tokens = torch.where(seeded.mask, seeded.choose(probs[:, None], offsets)[:, 0], tokens)
-        return tokens, probs
+        return (tokens if seeded is None else seeded.override(probs, tokens, offset)), probs
 
 
 def token_logprobs(logp: torch.Tensor, tokens: torch.Tensor, count: list[int], top_n: list[int | None]) -> list:
@@ -500,6 +496,14 @@ class SeededRows:
             for i in sorted(cache)[self.KEEP:]:
                 del cache[i]
         return choice
+
+    def override(self, probs: torch.Tensor, tokens: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """``tokens`` [B] drawn from probs [B, V], with the seeded rows' choices ``offset`` tokens after
+        their next one put in instead."""
+        if not self.any:
+            return tokens
+        offsets = torch.full((probs.shape[0], 1), offset, dtype=torch.long, device=probs.device)
+        return torch.where(self.mask, self.choose(probs[:, None], offsets)[:, 0], tokens)
 
     def advance(self, counts: list[int]) -> None:
         """Row b's text grew by counts[b] tokens."""
