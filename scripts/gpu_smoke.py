@@ -1,8 +1,6 @@
 """GPU smoke: the fast path with CUDA graphs gives HF generate's greedy tokens (tiny fp32 models)."""
 import sys
 
-import torch
-
 sys.path.insert(0, "tests")
 from helpers import hf_greedy, mismatch_report, perturbed, tiny_llama  # noqa: E402
 

@@ -347,7 +347,7 @@ class Engine:
             caps = auto.choose_tree(prop.scores, depths(prop.parents), prop.lengths, gamma)
         elif auto is None or trees:
             caps = [gamma] * batch
-        return _cap(prop, caps), caps
+        return _cap(prop, caps, lambda width: self.backend.block_width(width, room)), caps
 
     def _verify(self, state, pending, prop: Proposal, history, proc: LogitsProcessing, generator, taps: tuple,
                 seeded: SeededRows, logprobs: bool = False):
@@ -565,16 +565,24 @@ class Batch:
         other.done, other.rows, other.active = True, [], []
 
 
-def _cap(prop: Proposal, caps: list[int]) -> Proposal:
+def _cap(prop: Proposal, caps: list[int], block_width=None) -> Proposal:
     """Limit row b to caps[b] drafts (a tree: its first caps[b] nodes, themselves a tree) and drop
-    block columns no row uses (a narrower verify pass)."""
+    block columns no row uses (a narrower verify pass), or keep ``block_width(used)`` columns: past
+    every row's length they are verified and ignored, like a batch's shorter rows."""
     lengths = torch.minimum(prop.lengths, torch.tensor(caps, device=prop.lengths.device, dtype=prop.lengths.dtype))
     width = int(lengths.max()) if lengths.numel() else 0
+    if block_width is not None:
+        width = block_width(width)
 
-    def cut(t):
-        return t[:, :width] if t is not None and width else None  # no nodes left: no tree either
+    def fit(t, fill=0):
+        if t is None or not width:
+            return None  # no nodes left: no tree either
+        if t.shape[1] >= width:
+            return t[:, :width]
+        return torch.cat([t, t.new_full((t.shape[0], width - t.shape[1], *t.shape[2:]), fill)], 1)
 
-    return Proposal(prop.tokens[:, :width], lengths, cut(prop.probs), cut(prop.parents), cut(prop.scores))
+    tokens = fit(prop.tokens) if width else prop.tokens[:, :0]
+    return Proposal(tokens, lengths, fit(prop.probs), fit(prop.parents, -1), fit(prop.scores))
 
 
 def _kept_scores(prop: Proposal) -> list[list[float]]:

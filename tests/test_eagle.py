@@ -88,6 +88,35 @@ def test_the_drafter_proposes_what_training_evaluates(tmp_path, monkeypatch):
         assert all(p < j for j, p in enumerate(parents))
 
 
+def test_a_batch_of_padded_sequences_gives_the_mean_of_their_own_losses():
+    """The batched loss (a GPU trains many sequences a step) over right-padded sequences of other
+    lengths and answer starts equals the mean of each one's loss alone, and so do the gradients."""
+    target = tiny_llama(0, layers=3)
+    cfg = eagle_config(target, "tiny", TAPS, None, steps=3)
+    torch.manual_seed(0)
+    net = EagleNet(cfg)
+    net.lm_head.weight.data.copy_(target.lm_head.weight)
+    trainer = EagleTrainer(net, target.get_input_embeddings(), target.lm_head, steps=3, decay=0.8)
+    g = torch.Generator().manual_seed(2)
+    feats = [_features(target, torch.randint(2, 96, (n,), generator=g).tolist()) for n in (23, 15, 9)]
+    for f, start in zip(feats, (5, 0, 7)):
+        f.loss_from = start
+    singles = [trainer.loss(f, None)[0] for f in feats]
+    T = max(len(f.ids) for f in feats)
+
+    def padded(x):
+        return torch.nn.functional.pad(x, [0, 0] * (x.dim() - 1) + [0, T - len(x)])
+
+    got, rows = trainer.loss_batch(torch.stack([padded(f.ids) for f in feats]), torch.stack([padded(f.hidden) for f in feats]),
+                                   torch.stack([padded(f.final) for f in feats]), torch.tensor([f.loss_from for f in feats]),
+                                   torch.tensor([len(f.ids) for f in feats]))
+    want = torch.stack(singles).mean()
+    assert rows == sum(len(f.ids) - 1 - max(f.loss_from - 1, 0) for f in feats)
+    assert float(got) == pytest.approx(float(want), rel=1e-5)
+    grads = torch.autograd.grad(got, net.fc.weight)[0]
+    assert torch.allclose(grads, torch.autograd.grad(want, net.fc.weight)[0], rtol=1e-4, atol=1e-7)
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A tiny target (a folder with a tokenizer) and an EAGLE head `speculant train` trained on its

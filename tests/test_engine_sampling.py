@@ -39,13 +39,13 @@ def exact_distribution(model, params):
     return probs.gather(2, seqs[..., None]).squeeze(2).prod(1).double()
 
 
-def sample_counts(target, drafter, params, seed, path="auto", seeded=False, rows=N):
+def sample_counts(target, drafter, params, seed, path="auto", seeded=False, rows=N, gamma=3):
     """Counts of ``rows`` sampled continuations. By default unseeded rows (rejection sampling against
     the drafter's q), repeatable through torch's global seed; ``seeded``: every row seeded (each
     draws from its own noise, see SeededRows)."""
     if not seeded:
         torch.manual_seed(seed)
-    outs = speculant.generate(target, [PROMPT] * rows, drafter=drafter, gamma=3, max_new_tokens=NEW,
+    outs = speculant.generate(target, [PROMPT] * rows, drafter=drafter, gamma=gamma, max_new_tokens=NEW,
                               seed=seed if seeded else None, path=path, **params.__dict__)
     codes = torch.tensor([sum(t * V ** (NEW - 1 - i) for i, t in enumerate(o.token_ids)) for o in outs])
     accepted = sum(o.stats["accepted_draft_tokens"] for o in outs)

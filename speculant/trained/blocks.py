@@ -64,7 +64,13 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Queries [B, heads, T, D] over keys/values [B, kv, S, D] with mask [B, 1, T, S] (True or 0:
         attend) -> [B, T, hidden]."""
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.kv_heads != self.heads)
+        gqa = self.kv_heads != self.heads
+        if gqa and q.is_cuda and mask is not None:
+            # CUDA's fused kernels take a mask only without enable_gqa (with it, sdpa falls back to the
+            # math kernel, which materialises every score: training-time test's masks are wide)
+            k, v = (x.repeat_interleave(self.heads // self.kv_heads, 1) for x in (k, v))
+            gqa = False
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(o.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1))
 
     def forward(self, x, positions, inv_freq, kv, mask):

@@ -143,12 +143,17 @@ class EagleTrainer:
         self.target_rows = target_head.weight.detach()[rows]  # the target's LM head, draft vocabulary only
 
     def _run(self, f, steps: int, own_tokens: bool):
-        """Per step k: draft logits [n, Vd] of every row (row i: prediction of token i+2+k)."""
-        net, dev = self.net, self.net.fc.weight.device
-        ids = f.ids.to(dev)
-        n = len(ids) - 1
-        hidden = net.features(f.hidden[:-1].to(dev))[None]  # [1, n, H]
-        positions = torch.arange(1, n + 1, device=dev)[None]
+        """Per step k: draft logits [n, Vd] of every row of one sequence (row i: prediction of token i+2+k)."""
+        dev = self.net.fc.weight.device
+        return [x[0] for x in self._run_batch(f.ids[None].to(dev), f.hidden[None].to(dev), steps, own_tokens)]
+
+    def _run_batch(self, ids: torch.Tensor, aux: torch.Tensor, steps: int, own_tokens: bool):
+        """``ids`` [B, T] (right-padded: causal attention keeps padding out of every real row), the
+        tapped target states ``aux`` [B, T, taps, Ht] -> per step k, draft logits [B, n, Vd], n = T - 1."""
+        net = self.net
+        B, n = ids.shape[0], ids.shape[1] - 1
+        hidden = net.features(aux[:, :-1])  # [B, n, H]
+        positions = torch.arange(1, n + 1, device=ids.device)[None]
         keys = [[] for _ in net.layers]
         values = [[] for _ in net.layers]
 
@@ -159,39 +164,51 @@ class EagleTrainer:
                 return torch.cat(keys[layer], 2), torch.cat(values[layer], 2)
             return kv
 
-        causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
-        own = torch.eye(n, dtype=torch.bool, device=dev)
-        tokens, out = ids[1:], []
+        causal = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
+        own = torch.eye(n, dtype=torch.bool, device=ids.device)
+        tokens, out = ids[:, 1:], []
         for k in range(steps):
             mask = torch.cat([causal] + [own] * k, 1)[None, None]
-            hidden, normed = net.step(self.embed(tokens)[None], hidden, positions + k, [joined(i) for i in
-                                                                                       range(len(net.layers))], mask)
-            logits = net.lm_head(normed)[0].float()
+            hidden, normed = net.step(self.embed(tokens), hidden, positions + k, [joined(i) for i in
+                                                                                range(len(net.layers))], mask)
+            logits = net.lm_head(normed).float()
             out.append(logits)
             if own_tokens:  # evaluation: feed its own guesses, as drafting does
                 tokens = net.target_ids(logits.argmax(-1))
             else:  # training: the text's next tokens (row i: token i+2+k), past the end a filler
-                tokens = torch.cat([ids[2 + k :], ids.new_zeros(k + 1)])
+                tokens = torch.cat([ids[:, 2 + k :], ids.new_zeros(B, k + 1)], 1)
         return out
 
     def loss(self, f, rng: random.Random):
-        n = len(f.ids) - 1
-        first = max(f.loss_from - 1, 0)
-        if n - first < 1:
-            return None, 0
         dev = self.net.fc.weight.device
+        return self.loss_batch(f.ids[None].to(dev), f.hidden[None].to(dev), f.final[None].to(dev),
+                               torch.tensor([f.loss_from], device=dev), torch.tensor([len(f.ids)], device=dev))
+
+    def loss_batch(self, ids, aux, final, loss_from, lengths):
+        """The mean over B right-padded sequences (``lengths`` real tokens each, learnt from
+        ``loss_from``) of each one's loss: per step k the mean KL over its answer rows, weighted
+        ``decay``^k. ``final`` [B, T, Ht]: the target's final normed states (its distributions).
+        Returns (loss or None if no row has a token to learn, answer rows)."""
+        n = ids.shape[1] - 1
+        first = (loss_from - 1).clamp_min(0)
+        last = lengths - 1  # rows < last - k have a token for step k
+        if int((last - first).max()) < 1:
+            return None, 0
         with torch.no_grad():
-            target_logp = (f.final[1:].to(dev).to(self.target_rows.dtype) @ self.target_rows.T).float().log_softmax(-1)
-        total, weight = 0.0, 0.0
-        for k, logits in enumerate(self._run(f, self.steps, own_tokens=False)):
-            rows = slice(first, n - k)  # rows with an answer token to predict
-            if rows.stop <= rows.start:
-                break
-            kl = F.kl_div(logits[rows].log_softmax(-1), target_logp[first + k : n], log_target=True,
+            target_logp = (final[:, 1:].to(self.target_rows.dtype) @ self.target_rows.T).float().log_softmax(-1)
+        rows = torch.arange(n, device=ids.device)[None]
+        total = torch.zeros(len(ids), device=ids.device)
+        weight = torch.zeros(len(ids), device=ids.device)
+        for k, logits in enumerate(self._run_batch(ids, aux, self.steps, own_tokens=False)):
+            live = ((rows >= first[:, None]) & (rows < (last - k)[:, None]))[:, : n - k]
+            kl = F.kl_div(logits[:, : n - k].log_softmax(-1), target_logp[:, k:], log_target=True,
                           reduction="none").sum(-1)
-            total = total + self.decay ** k * kl.mean()
-            weight += self.decay ** k
-        return total / weight, n - first
+            count = live.sum(1)
+            mean = torch.where(live, kl, 0.0).sum(1) / count.clamp_min(1)
+            total = total + self.decay ** k * mean * (count > 0)
+            weight = weight + self.decay ** k * (count > 0)
+        some = weight > 0
+        return (total[some] / weight[some]).mean(), int((last - first).clamp_min(0).sum())
 
     @torch.no_grad()
     def evaluate(self, features, rng: random.Random) -> dict:

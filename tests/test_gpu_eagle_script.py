@@ -1,0 +1,82 @@
+"""scripts/gpu_eagle.py (how the shipped EAGLE head was trained further on a GPU) on a CPU and a
+tiny target: the batched, left-padded self-distillation writes the target's own greedy answers,
+the text files round-trip, and train + join give a folder that loads as a drafter and keeps the
+target's greedy output."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import speculant
+from speculant.drafters.eagle import load_eagle
+from helpers import hf_greedy, save_tiny_folder
+from test_eagle import _random_eagle_folder
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import gpu_eagle  # noqa: E402
+
+
+def _run(monkeypatch, *args):
+    monkeypatch.setattr(sys, "argv", ["gpu_eagle.py", *map(str, args)])
+    gpu_eagle.main()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = save_tiny_folder(tmp_path_factory.mktemp("gpu-eagle") / "target", seed=0)
+    return folder, AutoModelForCausalLM.from_pretrained(folder).eval()
+
+
+def test_texts_round_trip_whole_and_packed_in_parts(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    texts = [(torch.randint(0, 49152, (n,), generator=g).to(torch.int32).to(torch.uint16), n // 3)
+             for n in (5, 40, 17, 60, 9)]
+    gpu_eagle.save_texts(texts, tmp_path / "t.pt", tmp_path / "parts", part_tokens=64)
+    parts = sorted((tmp_path / "parts").glob("t-*.pt"))
+    assert len(parts) == 3  # 5+40+17 | 60 | 9 (each part under 64 tokens, unless one text is longer)
+    for got in (gpu_eagle.load_texts(tmp_path / "t.pt"), [x for p in parts for x in gpu_eagle.load_texts(p)]):
+        assert [(x.long().tolist(), lf) for x, lf in got] == [(x.long().tolist(), lf) for x, lf in texts]
+
+
+def test_distill_writes_the_targets_greedy_answers(tmp_path, monkeypatch, tiny):
+    folder, model = tiny
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, 96, (n,), generator=g).to(torch.int32).to(torch.uint16) for n in (3, 9, 6, 12, 4)]
+    torch.save({"A": prompts[:3], "B": prompts[3:]}, tmp_path / "p.pt")
+    _run(monkeypatch, "distill", "--target", folder, "--device", "cpu", "--dtype", "float32", "--prompts",
+         tmp_path / "p.pt", "--groups", "A,B", "--batch", 2, "--answer-tokens", 10, "--out", tmp_path / "d.pt")
+    texts = gpu_eagle.load_texts(tmp_path / "d.pt")
+    assert len(texts) == 5
+    by_prompt = {tuple(x[:lf].long().tolist()): x[lf:].long().tolist() for x, lf in texts}
+    for p in prompts:
+        ref = hf_greedy(model, p.long().tolist(), 10)
+        ref = ref[: ref.index(1) + 1] if 1 in ref else ref  # up to the end of text (id 1), kept
+        assert by_prompt[tuple(p.long().tolist())] == ref
+
+
+def test_train_and_join_give_a_drafter_that_keeps_greedy_output(tmp_path, monkeypatch, tiny):
+    folder, model = tiny
+    config = _random_eagle_folder(tmp_path, model, draft_vocab=48, name="start")
+    g = torch.Generator().manual_seed(2)
+    texts = []
+    for i in range(12):
+        prompt = torch.randint(2, 96, (4 + i % 3,), generator=g).tolist()
+        texts.append((torch.tensor(prompt + hf_greedy(model, prompt, 20), dtype=torch.int32).to(torch.uint16),
+                      len(prompt)))
+    gpu_eagle.save_texts(texts, tmp_path / "texts.pt")
+    out = tmp_path / "trained"
+    _run(monkeypatch, "train", "--target", folder, "--device", "cpu", "--dtype", "float32", "--data",
+         tmp_path / "texts.pt", "--config", config, "--init", config, "--out", out, "--steps", 6, "--batch", 4,
+         "--held-out", 2, "--eval-every", 3, "--lr", 3e-3, "--warmup", 2)
+    log = json.loads((out / "gpu_training.json").read_text())
+    assert log["steps"] == 6 and len(log["loss_curve"]) == 6 and [e["step"] for e in log["evals"]] == [3, 6]
+    assert all(x == x and x < 100 for x in log["loss_curve"])  # finite
+    _run(monkeypatch, "join", "--out", out)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "gpu_training.json", "model.safetensors"]
+    prompts = [t[0][: t[1]].long().tolist() for t in texts[:3]]
+    outs = speculant.generate(model, prompts, drafter=load_eagle(out, model, "tiny"), gamma=4, max_new_tokens=20)
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(model, p, 20)
