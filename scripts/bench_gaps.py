@@ -9,23 +9,24 @@ import sys
 
 import torch
 
-from speculant.models.loading import load_model
-from speculant.trained.data import encode_prompt
+import speculant
+from speculant.bench.metrics import greedy_reference
 
 
 def main(run: str) -> None:
     r = json.load(open(f"{run}/results.json"))
-    target = load_model(r["settings"].get("target", "default"), device="cpu", dtype=r["settings"].get("dtype"))
+    settings = r["settings"]
+    gen = speculant.load(settings.get("target", "default"), drafter="none", device="cpu", dtype=settings.get("dtype"))
     prompts = {p["id"]: p["prompt"] for p in r["prompts"]}
-    ref = {row["prompt_id"]: row["token_ids"] for rec in r["records"] if rec["method"] == "hf generate"
-           for row in rec["rows"]}
+    ref = greedy_reference(r["records"])
     worst: dict[str, float] = {}
     for m in r["mismatches"]:
-        if m["method"] == "hf assisted ngram":
-            continue
-        ids = encode_prompt(target.tokenizer, prompts[m["prompt_id"]], 10**6)
+        if m["method"] == "hf assisted ngram" or None in (m["reference_token"], m["got_token"]):
+            continue  # HF's own, or texts of other lengths (one ended): no token pair to compare
+        ids = gen.encode(prompts[m["prompt_id"]], settings.get("chat_template", True))
         with torch.no_grad():
-            logits = target.model(torch.tensor([ids + ref[m["prompt_id"]][: m["first_divergence"]]])).logits[0, -1]
+            x = torch.tensor([ids + ref[m["prompt_id"]][: m["first_divergence"]]])
+            logits = gen.target.model(x).logits[0, -1]
         gap = float(logits[m["reference_token"]].float() - logits[m["got_token"]].float())
         worst[m["method"]] = max(worst.get(m["method"], 0.0), abs(gap))
     print({k: round(v, 4) for k, v in worst.items()})

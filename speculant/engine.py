@@ -347,7 +347,7 @@ class Engine:
             caps = auto.choose_tree(prop.scores, depths(prop.parents), prop.lengths, gamma)
         elif auto is None or trees:
             caps = [gamma] * batch
-        return _cap(prop, caps, lambda width: self.backend.block_width(width, room)), caps
+        return _cap(prop, caps, lambda width: b.state.block_width(width, room)), caps
 
     def _verify(self, state, pending, prop: Proposal, history, proc: LogitsProcessing, generator, taps: tuple,
                 seeded: SeededRows, logprobs: bool = False):
@@ -390,7 +390,8 @@ class Engine:
         """Per-row counters, and what the pass teaches the controller (acceptance, costs)."""
         auto, n_acc = b.auto, b.n_acc
         lens = prop.lengths.tolist()
-        width = prop.tokens.shape[1] + 1
+        # the block as the controller chose it: a block padded for CUDA graphs costs what that choice costs
+        width = max(lens, default=0) + 1
         gamma = max(caps, default=0)
         draft_cost = draft_seconds - (b.drafter.catchup_seconds if gamma > 0 else 0.0)
         # judged positions per row: a chain's length, a tree's depth

@@ -1,50 +1,63 @@
-"""Verify blocks padded to a few widths (speculant.models.backend.Backend.block_width): with CUDA
-graphs each width is a captured graph, so drafts are verified in bucketed blocks whose extra
-columns no row uses. The padding must change nothing: greedy text equals HF generate, sampled
-text follows the target's distribution, and seeded rows keep their text. On a CPU no graphs are
-captured and no padding happens, so these tests force it."""
+"""Verify blocks padded to a few widths (``block_width`` of the KV states; the buckets in
+speculant.models.cuda_graphs): with CUDA graphs each block width is a captured graph, so drafts
+are verified in bucketed blocks whose extra columns no row uses. The padding must change nothing:
+greedy text equals HF generate, sampled text follows the target's distribution, and seeded rows
+keep their text. On a CPU no graphs are captured and nothing is padded, so these tests force it
+and check, at the acceptance step, that blocks really were wider than the drafts they held."""
 import pytest
 import torch
 
 import speculant
+import speculant.engine
 from speculant.drafters import ModelDrafter
 from speculant.drafters.eagle import load_eagle
 from speculant.drafters.hybrid import HybridDrafter
-from speculant.models.backend import WIDTH_BUCKETS, Backend
+from speculant.models.backend import Backend
+from speculant.models.cuda_graphs import WIDTH_BUCKETS, bucketed_width
+from speculant.models.fast import StaticKVState
+from speculant.models.kv import KVState
 from helpers import hf_greedy, mismatch_report, perturbed, tiny_llama
 from test_eagle import _random_eagle_folder
 from test_engine_sampling import PARAMS, exact_distribution, fit_pvalue, peaked, sample_counts
 
-WIDTHS = []  # (used, verified) per pass
+WIDTHS = []  # (widest draft of any row, columns verified) per pass, seen where drafts are accepted
+
+
+def _pad(self, width, room):
+    """Padding on any device: the next bucket (as with CUDA graphs) and at least two columns more
+    than used, within the room, so that every pass with room verifies columns no row uses."""
+    return bucketed_width(min(width + 2, max(room, width)), room, 33) if width else 0
 
 
 @pytest.fixture
 def padded(monkeypatch):
-    original = Backend.block_width
-    monkeypatch.setattr(Backend, "block_width", lambda self, width, room: _bucketed(self, original, width, room))
+    """Force the padding on both paths' states and record each pass's block at acceptance."""
+    monkeypatch.setattr(StaticKVState, "block_width", _pad)
+    monkeypatch.setattr(KVState, "block_width", _pad)
+    accept = speculant.engine._accept
+
+    def spy(scores, probs, prop, *args, **kwargs):
+        WIDTHS.append((int(prop.lengths.max()) if prop.lengths.numel() else 0, prop.tokens.shape[1]))
+        return accept(scores, probs, prop, *args, **kwargs)
+
+    monkeypatch.setattr(speculant.engine, "_accept", spy)
     WIDTHS.clear()
     yield WIDTHS
 
 
-def _bucketed(self, original, width, room):
-    """Padding on any device: the next bucket (as with CUDA graphs) and at least two columns more
-    than used, within the room, so that every pass with room verifies columns no row uses."""
-    step, self.step = self.step, object()
-    try:
-        out = original(self, min(width + 2, max(room, width)) if width else 0, room)
-    finally:
-        self.step = step
-    WIDTHS.append((width, out))
-    return out
+def test_widths_go_up_to_a_bucket_within_the_room_and_the_graphs():
+    assert [bucketed_width(w, 40, 32) for w in (0, 1, 5, 7, 9, 13, 25, 31)] == [0, 1, 6, 8, 12, 16, 31, 31]
+    assert bucketed_width(9, 10, 32) == 10 and bucketed_width(9, 9, 32) == 9  # never past the room
+    assert bucketed_width(32, 99, 32) == 32  # a block of 33 tokens is not graphed: no padding
+    assert bucketed_width(20, 99, 16) == 20 and bucketed_width(13, 99, 16) == 15  # blocks of at most 16
+    assert max(WIDTH_BUCKETS) + 1 == 32  # GraphedForward's default max_width: the widest bucket is graphed
 
 
-def test_widths_go_up_to_a_bucket_within_the_room():
-    backend = Backend(tiny_llama(0), "general")
-    assert backend.block_width(5, 40) == 5  # no graphs: no padding
-    backend.step = object()
-    assert [backend.block_width(w, 40) for w in (0, 1, 5, 7, 9, 13, 31)] == [0, 1, 6, 8, 12, 16, 32]
-    assert backend.block_width(9, 10) == 10 and backend.block_width(9, 9) == 9  # never past the room
-    assert backend.block_width(40, 99) == 40 and max(WIDTH_BUCKETS) == 32
+def test_states_without_graphs_verify_exactly_the_drafts():
+    target = tiny_llama(0)
+    assert KVState(target, 1).block_width(5, 40) == 5
+    backend = Backend(target, "fast")
+    assert backend.new_state(1, 64).block_width(5, 40) == 5  # CPU: no graphs
 
 
 def _prompts(batch):
@@ -87,7 +100,7 @@ def test_sampling_in_padded_blocks_matches_the_target_distribution(padded, tmp_p
     assert pvalue > 1e-4, f"chi-square p-value {pvalue:.2e} (acceptance {alpha:.2f})"
 
 
-def test_seeded_rows_keep_their_text_in_padded_blocks(monkeypatch, tmp_path):
+def test_seeded_rows_keep_their_text_in_padded_blocks(request, tmp_path):
     target = tiny_llama(0, layers=2)
     prompts = _prompts(3)
 
@@ -97,8 +110,29 @@ def test_seeded_rows_keep_their_text_in_padded_blocks(monkeypatch, tmp_path):
         return [o.token_ids for o in outs]
 
     plain = run()
-    original = Backend.block_width
-    monkeypatch.setattr(Backend, "block_width", lambda self, width, room: _bucketed(self, original, width, room))
-    WIDTHS.clear()
+    widths = request.getfixturevalue("padded")
     assert run() == plain
-    assert any(v > w for w, v in WIDTHS)
+    assert any(v > w for w, v in widths)
+
+
+@pytest.mark.parametrize("kind", ["ngram", "tree"])
+def test_the_controller_learns_the_width_it_chose_not_the_padded_one(padded, monkeypatch, tmp_path, kind):
+    """Costs are looked up by the width the controller asks about (γ + 1): were they recorded under
+    the padded width, a γ that is no bucket would never count as measured, and the controller would
+    keep exploring it (a padded block costs what choosing that γ costs)."""
+    from speculant.controller import GammaController
+
+    seen = []
+    for name in ("observe", "observe_tree"):
+        original = getattr(GammaController, name)
+
+        def spy(self, *args, _original=original, **kwargs):
+            width, lens = (args[1], args[2]) if _original.__name__ == "observe" else (args[0], args[1])
+            seen.append((width, max(lens, default=0) + 1))
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(GammaController, name, spy)
+    target = tiny_llama(0, layers=2)
+    speculant.generate(target, _prompts(3), drafter=_drafter(kind, target, tmp_path), gamma="auto", max_new_tokens=30)
+    assert seen and all(w == chosen for w, chosen in seen), seen
+    assert any(v > w for w, v in padded)

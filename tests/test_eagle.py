@@ -98,10 +98,12 @@ def test_a_batch_of_padded_sequences_gives_the_mean_of_their_own_losses():
     net.lm_head.weight.data.copy_(target.lm_head.weight)
     trainer = EagleTrainer(net, target.get_input_embeddings(), target.lm_head, steps=3, decay=0.8)
     g = torch.Generator().manual_seed(2)
-    feats = [_features(target, torch.randint(2, 96, (n,), generator=g).tolist()) for n in (23, 15, 9)]
-    for f, start in zip(feats, (5, 0, 7)):
+    feats = [_features(target, torch.randint(2, 96, (n,), generator=g).tolist()) for n in (23, 15, 9, 12)]
+    for f, start in zip(feats, (5, 0, 7, 12)):  # the last: all prompt, no answer row (it must not count)
         f.loss_from = start
     singles = [trainer.loss(f, None)[0] for f in feats]
+    assert singles[-1] is None
+    singles = singles[:-1]
     T = max(len(f.ids) for f in feats)
 
     def padded(x):
@@ -111,7 +113,7 @@ def test_a_batch_of_padded_sequences_gives_the_mean_of_their_own_losses():
                                    torch.stack([padded(f.final) for f in feats]), torch.tensor([f.loss_from for f in feats]),
                                    torch.tensor([len(f.ids) for f in feats]))
     want = torch.stack(singles).mean()
-    assert rows == sum(len(f.ids) - 1 - max(f.loss_from - 1, 0) for f in feats)
+    assert rows == sum(max(len(f.ids) - 1 - max(f.loss_from - 1, 0), 0) for f in feats)
     assert float(got) == pytest.approx(float(want), rel=1e-5)
     grads = torch.autograd.grad(got, net.fc.weight)[0]
     assert torch.allclose(grads, torch.autograd.grad(want, net.fc.weight)[0], rtol=1e-4, atol=1e-7)

@@ -25,9 +25,6 @@ def use_persistent_compile_cache() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
 
 
-WIDTH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-
-
 class Backend:
     """Makes KV states for one model.
 
@@ -65,15 +62,6 @@ class Backend:
 
                 self.step = GraphedForward(self.fast.forward)
                 self.name += "+cudagraphs"
-
-    def block_width(self, width: int, room: int) -> int:
-        """The number of draft columns to verify for ``width`` used ones (at most ``room``). With CUDA
-        graphs, one graph is captured per block width, and a capture costs several forwards: widths
-        are padded up to a few buckets (columns no row uses, as a batch's shorter rows have), so a
-        controller moving among tree sizes reuses a handful of graphs instead of capturing dozens."""
-        if self.step is None or width == 0:
-            return width
-        return min(next((b for b in WIDTH_BUCKETS if b >= width), width), max(room, width))
 
     def info(self) -> dict:
         """What runs the model, for the stats: path, dtype and, on the CPU fast path, the matmul kernels."""

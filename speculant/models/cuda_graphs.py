@@ -10,6 +10,20 @@ from __future__ import annotations
 import torch
 
 
+# draft columns a verify block is padded up to: one captured graph per block width (columns + 1)
+WIDTH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 31)
+
+
+def bucketed_width(width: int, room: int, max_block: int) -> int:
+    """The draft columns to verify for ``width`` used ones: the next bucket, within ``room`` (the
+    columns the cache and max_new_tokens allow) and ``max_block`` (wider blocks are not graphed),
+    else ``width`` itself. Columns past every row's length are verified and ignored, like a
+    batch's shorter rows."""
+    if width == 0 or width + 1 > max_block:
+        return width
+    return max(width, min(next(b for b in WIDTH_BUCKETS if b >= width), room, max_block - 1))
+
+
 class GraphedForward:
     def __init__(self, forward, warmup: int = 2, max_width: int = 32):
         self.forward = forward
@@ -51,6 +65,11 @@ class GraphedForward:
             buffer.copy_(value)
         graph.replay()
         return out
+
+    def block_width(self, width: int, room: int) -> int:
+        """A capture costs several forwards, so a controller moving among tree sizes would capture
+        dozens of graphs: verify blocks are padded to a few widths (``bucketed_width``)."""
+        return bucketed_width(width, room, self.max_width)
 
     def forget(self, keys, values) -> None:
         """Drop the graphs bound to a cache that is being freed."""

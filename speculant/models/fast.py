@@ -297,6 +297,12 @@ class StaticKVState:
         self.ptr = torch.zeros(batch_size, dtype=torch.long, device=fast.device)
         self.step = step or fast.forward
 
+    def block_width(self, width: int, room: int) -> int:
+        """Draft columns to verify for ``width`` used ones: padded to a few widths when the forward
+        replays captured CUDA graphs (a cache shared across requests), else ``width``."""
+        pad = getattr(self.step, "block_width", None)
+        return pad(width, room) if pad is not None else width
+
     def lengths(self) -> torch.Tensor:
         return self.ptr.clone()
 

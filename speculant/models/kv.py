@@ -22,6 +22,10 @@ class KVState:
         device = next(model.parameters()).device
         self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
 
+    def block_width(self, width: int, room: int) -> int:
+        """Draft columns to verify for ``width`` used ones (see StaticKVState): no padding here."""
+        return width
+
     @property
     def length(self) -> int:
         """Number of cache columns (valid or not)."""

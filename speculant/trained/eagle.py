@@ -126,7 +126,9 @@ def eagle_config(target: nn.Module, target_name: str, taps: list[int], draft_voc
 
 
 class EagleTrainer:
-    """Training-time test on cached features (speculators' Eagle3 recipe, one sequence at a time).
+    """Training-time test (speculators' Eagle3 recipe): ``loss`` on one sequence's cached features,
+    ``loss_batch`` on a batch of right-padded sequences at once (a GPU computes the target's states
+    for them on the fly: scripts/gpu_eagle.py).
 
     Row i of a sequence is the pair (target features at position i, token i+1), at position i+1.
     Step 0 reads the target's features; step k reads step k-1's output state and token i+1+k (the
