@@ -203,6 +203,7 @@ def train(a) -> None:
     if a.init:  # continue a trained head (its draft vocabulary too)
         net.load_state_dict({k: v.to(a.device) for k, v in load_file(str(Path(a.init) / "model.safetensors")).items()},
                             strict=False)
+        # the trainer's LM-head rows follow the draft vocabulary, which the loaded head replaced
         trainer = EagleTrainer(net, model.get_input_embeddings(), model.get_output_embeddings(), s.ttt_steps)
     net.float()
     trainer.target_rows = trainer.target_rows.float()

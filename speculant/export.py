@@ -17,8 +17,10 @@ from .errors import SpeculantError
 def vllm_config(drafter: str, gamma: int | str | None = None) -> dict:
     """The vLLM ``SpeculativeConfig`` (as a dict) for a speculant drafter spec."""
     fixed = gamma if isinstance(gamma, int) else None
-    if drafter.endswith("+ngram"):  # vLLM runs the tree drafter alone: it has no merged prompt lookup
-        drafter = drafter[: -len("+ngram")]
+    from .drafters import HYBRID
+
+    if drafter.endswith(HYBRID):  # vLLM runs the tree drafter alone: it has no merged prompt lookup
+        drafter = drafter[: -len(HYBRID)]
     if drafter in ("ngram", "ngram:tree"):
         # ngram:tree has no vLLM twin: its chain form (the latest match) is what vLLM runs
         return {"method": "ngram", "num_speculative_tokens": fixed or 16, "prompt_lookup_max": 3,

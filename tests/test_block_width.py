@@ -5,7 +5,6 @@ greedy text equals HF generate, sampled text follows the target's distribution, 
 keep their text. On a CPU no graphs are captured and nothing is padded, so these tests force it
 and check, at the acceptance step, that blocks really were wider than the drafts they held."""
 import pytest
-import torch
 
 import speculant
 import speculant.engine
@@ -19,6 +18,7 @@ from speculant.models.kv import KVState
 from helpers import hf_greedy, mismatch_report, perturbed, tiny_llama
 from test_eagle import _random_eagle_folder
 from test_engine_sampling import PARAMS, exact_distribution, fit_pvalue, peaked, sample_counts
+from test_hybrid import _prompts
 
 WIDTHS = []  # (widest draft of any row, columns verified) per pass, seen where drafts are accepted
 
@@ -58,11 +58,6 @@ def test_states_without_graphs_verify_exactly_the_drafts():
     assert KVState(target, 1).block_width(5, 40) == 5
     backend = Backend(target, "fast")
     assert backend.new_state(1, 64).block_width(5, 40) == 5  # CPU: no graphs
-
-
-def _prompts(batch):
-    g = torch.Generator().manual_seed(3)
-    return [(torch.randint(2, 96, (4,), generator=g).tolist() * 6)[: 5 + 3 * i] for i in range(batch)]
 
 
 def _drafter(kind, target, tmp_path):
