@@ -21,6 +21,11 @@ How the shipped head was made (``speculant_training.json`` in its folder records
       --init runs/eagle-default --out OUT --steps 791 --batch 16 --lr 3e-4 --warmup 50
   python scripts/gpu_eagle.py join --out OUT      # one model.safetensors: --drafter trained:OUT
 
+``self-instruct`` writes prompts of the target's own (Magpie: sampled from the opening of a user
+turn in its chat template), for ``distill --groups M``: closer to short instructions than ShareGPT's
+chats. On the 2-core CPU: 1,607 prompts in 13.5 min (batch 128), their greedy answers (424k tokens)
+in 11.4 min (batch 96).
+
 Text files: a list of (token ids uint16 [T], answer start) pairs (``torch.save``), or parts
 packed by ``--copy-to``; prompt files a dict of named lists of prompt ids. ``--target``
 defaults to the embedded default target.
@@ -110,6 +115,46 @@ def prompts(a) -> None:
                 groups["C"].append(second)
     torch.save(groups, a.out)
     print({k: len(v) for k, v in groups.items()})
+
+
+def self_instruct(a) -> None:
+    """Prompts the target writes itself (Magpie, Xu et al. 2024): sampled from its chat template's
+    opening of a user turn, each up to the end of that turn. They follow the target's own
+    instruction-tuning mix (short tasks: rewrite, explain, code, math) where ShareGPT holds long
+    chats; saved as group M, chat-templated, for ``distill``."""
+    from speculant.errors import SpeculantError
+    from speculant.models.loading import load_model
+    from speculant.trained.data import encode_prompt
+
+    target = load_model(a.target, device=a.device, dtype=a.dtype)
+    model, tok = target.model, target.tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise SpeculantError(f"self-instruct needs a chat template; {a.target} has none: use `prompts` (ShareGPT)")
+    mark = "QUERY-3f9c"  # where the user's words go
+    turn = tok.apply_chat_template([{"role": "user", "content": mark}], tokenize=False)
+    head, tail = turn.split(mark)
+    opening = torch.tensor([tok(head, add_special_tokens=False)["input_ids"]], device=target.device)
+    stops = set(target.eos_token_ids) | set(tok(tail, add_special_tokens=False)["input_ids"][:1])
+    pad = tok.pad_token_id if tok.pad_token_id is not None else min(target.eos_token_ids)
+    torch.manual_seed(a.seed)
+    found, t0, barren = {}, time.time(), 0
+    while len(found) < a.count and barren < 5 and not (a.minutes and time.time() - t0 > a.minutes * 60):
+        with torch.no_grad():
+            ids = opening.expand(a.batch, -1)
+            rows = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=a.temperature,
+                                  top_p=a.top_p, top_k=0, max_new_tokens=a.query_tokens,
+                                  eos_token_id=sorted(stops), pad_token_id=pad)[:, opening.shape[1]:].tolist()
+        before = len(found)
+        for row in rows:
+            end = next((j for j, t in enumerate(row) if t in stops), None)
+            text = tok.decode(row[:end], skip_special_tokens=True).strip() if end is not None else ""
+            if len(text) >= a.min_chars and text not in found and len(found) < a.count:  # whole turns only
+                found[text] = encode_prompt(tok, text, a.query_tokens + opening.shape[1] + 64)
+        barren = barren + 1 if len(found) == before else 0  # five batches with no new whole turn: stop
+        print(f"self-instruct {len(found)}/{a.count} {time.time() - t0:.0f}s", flush=True)
+    prompts = [torch.tensor(ids, dtype=torch.int32).to(torch.uint16) for ids in found.values() if ids]
+    torch.save({"M": prompts}, a.out)
+    print(f"{len(prompts)} prompts the target wrote")
 
 
 def from_cache(a) -> None:
@@ -307,15 +352,22 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("join").add_argument("--out", required=True, help="the folder ``train`` wrote")
-    for name in ("prompts", "from-cache", "distill", "train"):
+    for name in ("prompts", "self-instruct", "from-cache", "distill", "train"):
         q = sub.add_parser(name)
         q.add_argument("--target", default="default")
         q.add_argument("--device", default="cuda")
         q.add_argument("--out", required=True)
-        q.add_argument("--minutes", type=float, help="distill/train: stop within about this time")
+        q.add_argument("--minutes", type=float, help="self-instruct/distill/train: stop within about this time")
         q.add_argument("--seed", type=int, default=0)
-        q.add_argument("--dtype", default="bfloat16", help="the target's (distill, train)")
+        q.add_argument("--dtype", default="bfloat16", help="the target's (self-instruct, distill, train)")
     sub.choices["prompts"].add_argument("--skip", type=int, default=0)
+    m = sub.choices["self-instruct"]
+    m.add_argument("--count", type=int, default=2000, help="prompts to write (or what --minutes allows)")
+    m.add_argument("--batch", type=int, default=128)
+    m.add_argument("--query-tokens", type=int, default=128, help="longest user turn; longer ones are dropped")
+    m.add_argument("--temperature", type=float, default=1.0)
+    m.add_argument("--top-p", type=float, default=0.95)
+    m.add_argument("--min-chars", type=int, default=12)
     sub.choices["from-cache"].add_argument("--cache", required=True, help="a `speculant train` work folder")
     d = sub.choices["distill"]
     d.add_argument("--prompts", required=True)
@@ -338,7 +390,9 @@ def main() -> None:
     t.add_argument("--held-out", type=int, default=64)
     t.add_argument("--eval-every", type=int, default=500)
     a = p.parse_args()
-    {"prompts": prompts, "from-cache": from_cache, "distill": distill, "train": train, "join": join}[a.cmd](a)
+    stages = {"prompts": prompts, "self-instruct": self_instruct, "from-cache": from_cache, "distill": distill,
+              "train": train, "join": join}
+    stages[a.cmd](a)
 
 
 if __name__ == "__main__":

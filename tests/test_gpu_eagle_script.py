@@ -80,3 +80,41 @@ def test_train_and_join_give_a_drafter_that_keeps_greedy_output(tmp_path, monkey
     outs = speculant.generate(model, prompts, drafter=load_eagle(out, model, "tiny"), gamma=4, max_new_tokens=20)
     for p, o in zip(prompts, outs):
         assert o.token_ids == hf_greedy(model, p, 20)
+
+
+def _with_chat_template(folder):
+    """The tiny target's folder with a chat template: w2 opens a user turn, </s> ends it, w3 opens
+    the answer."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.chat_template = ("{% for m in messages %}w2 {{ m['content'] }} </s> {% endfor %}"
+                         "{% if add_generation_prompt %}w3 {% endif %}")
+    tok.save_pretrained(folder)
+    return folder
+
+
+def test_self_instruct_writes_whole_user_turns_the_target_sampled(tmp_path, monkeypatch):
+    folder = _with_chat_template(save_tiny_folder(tmp_path / "chat", seed=3))
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    _run(monkeypatch, "self-instruct", "--target", folder, "--device", "cpu", "--dtype", "float32", "--count", 12,
+         "--batch", 16, "--query-tokens", 40, "--min-chars", 1, "--out", tmp_path / "m.pt")
+    prompts = [p.long().tolist() for p in torch.load(tmp_path / "m.pt")["M"]]
+    assert 0 < len(prompts) <= 12 and len({tuple(p) for p in prompts}) == len(prompts)
+    for p in prompts:  # w2 <user words, no end of turn> </s> w3: ready for `distill`
+        assert p[0] == 2 and p[-2:] == [1, 3] and 1 not in p[1:-2] and len(p) - 3 <= 40
+    # the words are the target's: sampling from the opening w2 with the same seed writes the first
+    torch.manual_seed(0)
+    first = model.generate(torch.tensor([[2]]).expand(16, -1), attention_mask=torch.ones(16, 1, dtype=torch.long),
+                           do_sample=True, temperature=1.0, top_p=0.95, top_k=0, max_new_tokens=40,
+                           eos_token_id=[1], pad_token_id=1)[:, 1:].tolist()
+    whole = [r[: r.index(1)] for r in first if 1 in r and r.index(1) > 0]
+    assert prompts[0][1:-2] == whole[0]
+
+
+def test_self_instruct_refuses_a_target_without_a_chat_template(tmp_path, monkeypatch, tiny):
+    from speculant.errors import SpeculantError
+
+    with pytest.raises(SpeculantError, match="chat template"):
+        _run(monkeypatch, "self-instruct", "--target", tiny[0], "--device", "cpu", "--dtype", "float32",
+             "--out", tmp_path / "m.pt")

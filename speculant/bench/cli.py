@@ -77,7 +77,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="batch sizes, e.g. 1,4,16,64 (meant for a GPU); several = a batch sweep")
     b.add_argument("--max-new-tokens", type=int, default=None, help=f"default 128 (--quick: {QUICK_MAX_NEW_TOKENS})")
     b.add_argument("--prompts", default=None, help="a .jsonl file, one {\"prompt\": ..., \"category\": ...} a line "
-                                                   "(default: the shipped suite, 7 categories)")
+                                                   "(default: the shipped suite, 8 categories)")
     b.add_argument("--categories", type=_list("--categories", str), default=None, help="only these categories")
     b.add_argument("--per-category", type=int, default=None, help="first N prompts of each category")
     b.add_argument("--repeats", type=int, default=None, help="measured runs of every call (default 1)")
