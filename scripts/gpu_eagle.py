@@ -36,6 +36,7 @@ import argparse
 import json
 import math
 import random
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -392,7 +393,13 @@ def main() -> None:
     a = p.parse_args()
     stages = {"prompts": prompts, "self-instruct": self_instruct, "from-cache": from_cache, "distill": distill,
               "train": train, "join": join}
-    stages[a.cmd](a)
+    from speculant.errors import SpeculantError
+
+    try:
+        stages[a.cmd](a)
+    except SpeculantError as e:  # bad input: one line, exit 2, as the CLI does
+        print(f"gpu_eagle.py {a.cmd}: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -112,9 +112,10 @@ def test_self_instruct_writes_whole_user_turns_the_target_sampled(tmp_path, monk
     assert prompts[0][1:-2] == whole[0]
 
 
-def test_self_instruct_refuses_a_target_without_a_chat_template(tmp_path, monkeypatch, tiny):
-    from speculant.errors import SpeculantError
-
-    with pytest.raises(SpeculantError, match="chat template"):
+def test_self_instruct_refuses_a_target_without_a_chat_template(tmp_path, monkeypatch, capsys, tiny):
+    with pytest.raises(SystemExit) as e:
         _run(monkeypatch, "self-instruct", "--target", tiny[0], "--device", "cpu", "--dtype", "float32",
              "--out", tmp_path / "m.pt")
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.startswith("gpu_eagle.py self-instruct: self-instruct needs a chat template")
+    assert "\n" not in err and not (tmp_path / "m.pt").exists()
