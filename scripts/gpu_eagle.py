@@ -44,13 +44,19 @@ from types import SimpleNamespace
 import torch
 
 
+def _pad_id(target) -> int:
+    """The id padding rows of a batched ``generate``: the tokenizer's, else an end-of-text id."""
+    tok = target.tokenizer
+    return tok.pad_token_id if tok.pad_token_id is not None else min(target.eos_token_ids)
+
+
 def distill(a) -> None:
     from speculant.models.loading import load_model
 
     target = load_model(a.target, device=a.device, dtype=a.dtype)
-    model, tok = target.model, target.tokenizer
+    model = target.model
     groups = torch.load(a.prompts)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else min(target.eos_token_ids)
+    pad = _pad_id(target)
     out, t0 = [], time.time()
     torch.manual_seed(a.seed)
     for name in a.groups.split(","):
@@ -136,7 +142,7 @@ def self_instruct(a) -> None:
     head, tail = turn.split(mark)
     opening = torch.tensor([tok(head, add_special_tokens=False)["input_ids"]], device=target.device)
     stops = set(target.eos_token_ids) | set(tok(tail, add_special_tokens=False)["input_ids"][:1])
-    pad = tok.pad_token_id if tok.pad_token_id is not None else min(target.eos_token_ids)
+    pad = _pad_id(target)
     torch.manual_seed(a.seed)
     found, t0, barren = {}, time.time(), 0
     while len(found) < a.count and barren < 5 and not (a.minutes and time.time() - t0 > a.minutes * 60):
