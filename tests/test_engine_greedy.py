@@ -272,3 +272,21 @@ def test_rows_joining_a_running_batch_decode_as_alone(tmp_path, path, kind):
         ref = hf_greedy(target, p, n)
         assert row.tokens == ref, mismatch_report(target, p, ref, row.tokens)
     assert [got[r] for r in range(5)] == [row.tokens for row in rows]
+
+
+def test_batched_prefill_gives_a_frozen_lm_head_a_contiguous_input():
+    """A strided [B, 1, H] slice of the last positions makes torch's matmul run a frozen LM head
+    as a bmm over B expanded copies of its weight (21 GB and minutes for Gemma 3 at batch 64):
+    the prefill must hand the head a contiguous copy, and decode as before. (The fast path's batched
+    prefill runs oneDNN-packed heads, which take strided input, only slower.)"""
+    target = tiny_llama(3).requires_grad_(False)  # frozen, as `speculant train` holds its target
+    seen = []
+    hook = target.lm_head.register_forward_pre_hook(lambda mod, args: seen.append(args[0].is_contiguous()))
+    prompts = _prompts(3)  # lengths 3, 8, 13, 18: a padded batch
+    gen = speculant.Generator(speculant.models.LoadedModel(target, None, "tiny"), NoDrafter(), gamma=1,
+                              path="general")
+    got = gen.generate_ids(prompts, max_new_tokens=6)
+    hook.remove()
+    assert seen and all(seen), seen
+    for prompt, out in zip(prompts, got):
+        assert out.token_ids == hf_greedy(target, prompt, 6)

@@ -263,7 +263,7 @@ class FastLlama:
             h = mm.layer_fn(h, cos, sin, mask, idx, keys[i], values[i], mm.layers[i], self.n_heads, self.n_kv,
                             self.head_dim, self.eps, self.scaling, causal, self.gqa)
         h = _rms_norm(h, self.norm.weight, self.eps)
-        logits = mm.head(h[:, -1:] if last_only else h)
+        logits = mm.head(h[:, -1:].contiguous() if last_only else h)  # contiguous: see KVState.append
         if not taps:
             return logits
         tapped[self.n_layers] = h

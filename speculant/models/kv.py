@@ -55,7 +55,10 @@ class KVState:
             sees = torch.cat([self.valid[:, None].expand(B, w, self.length), vis], dim=2)[:, None]
             dtype = next(self.model.parameters()).dtype
             attention = torch.zeros(sees.shape, dtype=dtype, device=sees.device).masked_fill(~sees, torch.finfo(dtype).min)
-        kwargs = {"logits_to_keep": 1} if last_only else {}
+        # the last position as an index, not the int 1: HF then gathers a contiguous [B, 1, H] copy.
+        # Its strided slice would make torch's matmul (aten should_fold) multiply a frozen LM head
+        # as a bmm over B expanded copies of the weight: 21 GB and minutes for Gemma 3 at batch 64.
+        kwargs = {"logits_to_keep": torch.tensor([tokens.shape[1] - 1], device=tokens.device)} if last_only else {}
         if taps:
             kwargs["output_hidden_states"] = True
         out = self.model(
