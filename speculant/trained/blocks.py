@@ -133,6 +133,7 @@ def vocab_logits(hidden: torch.Tensor, lm_head: nn.Module | None, d2t: torch.Ten
     """Logits over the target's vocabulary [.., V]: the target's LM head (``lm_head`` None), or a
     draft-vocabulary head scattered into a -inf row (q is zero outside the draft vocabulary: still
     lossless; draft index i is target id i + d2t[i])."""
+    hidden = hidden.contiguous()  # a strided slice (a block's [:, 1:]) would make a frozen head a bmm over copies
     if lm_head is None:
         return target_head(hidden.to(target_head.weight.dtype)).float()
     small = lm_head(hidden.to(lm_head.weight.dtype)).float()

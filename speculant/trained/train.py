@@ -326,7 +326,7 @@ class DFlashTrainer:
         block[:, 0] = f.ids[anchors]
         sees = torch.cat([torch.arange(T)[None] < anchors[:, None], torch.ones(A, K, dtype=torch.bool)], 1)
         hidden = net.block(self.embed(block.to(dev)).detach(), positions, kv, sees[:, None, None].to(dev))
-        h = hidden[:, 1:]
+        h = hidden[:, 1:].contiguous()  # a strided slice would make a frozen head a bmm over A copies of it
         logits = net.lm_head(h) if net.draft_vocab else self.target_head(h)
         labels = f.labels[(anchors[:, None] + steps[None, 1:] - 1)]  # slot j: the target's choice after a+j-1
         return logits.float(), labels.to(dev)
