@@ -88,3 +88,36 @@ def test_export_gives_vllm_the_tree_drafter_alone(tmp_path):
     folder = _random_eagle_folder(tmp_path, tiny_llama(0, layers=2))
     cfg = vllm_config(f"eagle:{folder}+ngram")
     assert cfg == vllm_config(f"eagle:{folder}") and cfg["model"] == str(Path(folder).resolve())
+
+
+def test_a_strong_lookup_chain_spares_the_heads_deeper_forwards(tmp_path, monkeypatch):
+    """The chain's nodes count among the best γ while the head deepens its tree: with a chain the
+    text keeps confirming, the head stops after fewer forwards, and the merged tree is the one the
+    full-depth head would have given."""
+    import speculant.drafters.eagle as eagle
+    from test_eagle import _drafter_after
+
+    monkeypatch.setattr(eagle, "MIN_SCORE", 0.0)  # a random head: deepen however unlikely its nodes
+    target = tiny_llama(0, layers=2)
+    folder = _random_eagle_folder(tmp_path, target, scale=0.3)
+    ids = _prompts(1)[0]
+    G = 12
+    chain = list(range(80, 80 + G))  # tokens the random head's tree does not hold (checked below)
+
+    def tree_and_forwards(rivals):
+        drafter = _drafter_after(load_eagle(folder, target, "tiny"), target, ids, 7)
+        forwards = []
+        step = drafter.net.step
+        monkeypatch.setattr(drafter.net, "step", lambda *a: forwards.append(1) or step(*a))
+        prop = drafter.propose_among(G, rivals)
+        n = int(prop.lengths[0])
+        return (prop.tokens[0, :n].tolist(), prop.parents[0, :n].tolist(), prop.scores[0, :n].float().tolist()), len(forwards)
+
+    alone, deep = tree_and_forwards(torch.zeros(1, 0))
+    strong = torch.tensor([[0.99 ** d for d in range(1, G + 1)]])
+    among, shallow = tree_and_forwards(strong)
+    assert shallow < deep, (deep, shallow)  # forwards: the catch-up, then one a depth
+    assert not set(chain) & set(alone[0])
+    assert merge_trees(among, chain, 0.99, G) == merge_trees(alone, chain, 0.99, G)
+    weak = torch.tensor([[0.01 ** d for d in range(1, G + 1)]])  # a chain the text refutes changes nothing
+    assert tree_and_forwards(weak) == (alone, deep)

@@ -1,6 +1,6 @@
 """Benchmark prompt suites: JSONL files with one ``{"prompt": ..., "category": ...}`` object a line.
 
-The default suite ships in the package (7 Spec-Bench-like categories). A malformed line in a user's
+The default suite ships in the package (8 Spec-Bench-like categories). A malformed line in a user's
 file is a SpeculantError naming the file and the line number.
 """
 from __future__ import annotations

@@ -92,6 +92,13 @@ class Drafter(ABC):
     def propose(self, gamma: int) -> Proposal:
         """Up to γ draft tokens per row continuing the accepted text."""
 
+    def propose_among(self, gamma: int, rivals: torch.Tensor) -> Proposal:
+        """``propose`` when other nodes compete for the same γ slots of a merged tree: ``rivals``
+        [B, R] are their scores (probabilities; 0 pads). A drafter that grows its tree step by
+        step may stop once no further node of its own could enter the best γ; by default the
+        rivals change nothing."""
+        return self.propose(gamma)
+
     @abstractmethod
     def update(self, new_tokens: list[list[int]], n_accepted: list[int]) -> None:
         """The target accepted ``n_accepted[b]`` of row b's last drafts; ``new_tokens[b]`` is what

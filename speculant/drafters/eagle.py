@@ -14,7 +14,10 @@ last pair's output state drafts the tree:
 - all nodes are ranked by score and listed best first (a child never outranks its parent), so any
   prefix is a tree and the engine keeps the nodes worth verifying. Deepening stops as soon as no
   node of the next depth could enter the best ``gamma`` (its parent already scores below them),
-  which leaves the proposal unchanged and saves the forwards.
+  which leaves the proposal unchanged and saves the forwards. Merged with prompt lookup
+  (``propose_among``), the lookup chain's nodes count among those best ``gamma``: a strong chain
+  ends the deepening sooner. (A chain node the tree also holds counts twice there, so deepening
+  can end a depth early; that changes which nodes are drafted, never what is accepted.)
 
 The tree is a deterministic function of the accepted text (q one-hot), so greedy and sampled
 verification both stay exact. Draft K/V live after the accepted text's and are overwritten by the
@@ -152,9 +155,13 @@ class EagleDrafter(Drafter):
         ids = self.net.target_ids(torch.arange(logits.shape[-1], device=logits.device))
         return logits.masked_fill(ids >= self.vocab, float("-inf")).log_softmax(-1)
 
-    @torch.no_grad()
     def propose(self, gamma: int) -> Proposal:
+        return self.propose_among(gamma, torch.zeros(len(self.unfed), 0, device=self.ctx.device))
+
+    @torch.no_grad()
+    def propose_among(self, gamma: int, rivals: torch.Tensor) -> Proposal:
         net, dev = self.net, self.ctx.device
+        rivals = rivals.to(dev, torch.float32).log()  # log-probabilities, as the tree's scores
         root_state, logp = self._catch_up()
         B, k = root_state.shape[0], min(TOP_K, logp.shape[-1])
         # candidates of all depths, per row: draft-vocabulary token, cumulative log-prob, parent
@@ -170,8 +177,9 @@ class EagleDrafter(Drafter):
         for d in range(1, min(DEPTH, max(gamma, 1))):
             level = slice(first, score.shape[1])
             best = score[:, level].max(-1).values  # no deeper node can score above its level's best
-            kth = score.topk(min(gamma, score.shape[1]), -1).values[:, -1]
-            if float(best.max().exp()) < MIN_SCORE or (score.shape[1] >= gamma and bool((best <= kth).all())):
+            pool = torch.cat([score, rivals], 1)  # the nodes competing for the `gamma` slots (rivals: -inf pads)
+            kth = pool.topk(min(gamma, pool.shape[1]), -1).values[:, -1]
+            if float(best.max().exp()) < MIN_SCORE or (pool.shape[1] >= gamma and bool((best <= kth).all())):
                 break  # too unlikely, or nothing deeper could enter the best `gamma` nodes: the tree is final
             w = min(BEAM, level.stop - level.start)
             pick = score[:, level].topk(w, -1).indices + first  # [B, w] candidates to expand

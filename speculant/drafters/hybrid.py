@@ -9,12 +9,17 @@ by score, so the engine's controller keeps the nodes worth verifying from either
 Scores estimate each node's chance of being on the target's path. The tree drafter brings its
 own; a lookup node at depth d scores α̂^d, where α̂ is the row's running share of lookup drafts
 the target accepted (a path both propose takes the larger score). Scores never grow along a path,
-so best first lists every parent before its children and any prefix is a tree.
+so best first lists every parent before its children and any prefix is a tree. The lookup chain is
+drafted first and its scores are handed to the tree drafter (``propose_among``): a head that grows
+its tree depth by depth stops once none of its deeper nodes could beat them to the γ slots, so a
+chain the text keeps confirming (translation, RAG) spares most of the head's forwards.
 
 Both drafts are deterministic functions of the accepted text (q one-hot), so greedy and sampled
 verification stay exact.
 """
 from __future__ import annotations
+
+import torch
 
 from ..errors import SpeculantError
 from .base import DraftContext, Drafter, Proposal, tree_proposal
@@ -74,9 +79,14 @@ class HybridDrafter(Drafter):
         self.last_chain: list[list[int]] = [[] for _ in range(rows)]
 
     def propose(self, gamma: int) -> Proposal:
-        prop, lookup = self.tree.propose(gamma), self.lookup.propose(gamma)
+        lookup = self.lookup.propose(gamma)
         chains = [row[:k] for row, k in zip(lookup.tokens.tolist(), lookup.lengths.tolist())]
         self.last_chain = chains
+        # the chain's node scores compete for the γ slots: a strong chain spares the tree's deep forwards
+        rivals = torch.zeros(len(chains), max(map(len, chains), default=0))
+        for b, chain in enumerate(chains):
+            rivals[b, : len(chain)] = (self.hits[b] / self.judged[b]) ** torch.arange(1, len(chain) + 1)
+        prop = self.tree.propose_among(gamma, rivals)
         n = prop.lengths.tolist()
         toks, pars = prop.tokens.tolist(), prop.parents.tolist()
         if prop.scores is not None:
