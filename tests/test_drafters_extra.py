@@ -170,6 +170,9 @@ def test_skip_layers_model_without_skips_is_the_target():
     with torch.no_grad():
         torch.testing.assert_close(got[1], target(x[1:]).logits[0], atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(got[0, 3:], target(x[:1, 3:]).logits[0], atol=1e-5, rtol=1e-4)
+    last = KVState(wrapper, 2).append(x[:, :5], valid[:, :5], last_only=True)  # the prefill's one position
+    assert last.shape == (2, 1, 96)
+    torch.testing.assert_close(last[:, 0], got[:, 4], atol=1e-5, rtol=1e-4)
 
 
 def test_layerskip_specs():

@@ -114,10 +114,13 @@ def test_a_strong_lookup_chain_spares_the_heads_deeper_forwards(tmp_path, monkey
         return (prop.tokens[0, :n].tolist(), prop.parents[0, :n].tolist(), prop.scores[0, :n].float().tolist()), len(forwards)
 
     alone, deep = tree_and_forwards(torch.zeros(1, 0))
-    strong = torch.tensor([[0.99 ** d for d in range(1, G + 1)]])
-    among, shallow = tree_and_forwards(strong)
-    assert shallow < deep, (deep, shallow)  # forwards: the catch-up, then one a depth
     assert not set(chain) & set(alone[0])
-    assert merge_trees(among, chain, 0.99, G) == merge_trees(alone, chain, 0.99, G)
+    for alpha in (0.5, 0.99):  # a chain that shares the merged tree with the head's nodes, one that fills it
+        among, shallow = tree_and_forwards(torch.tensor([[alpha ** d for d in range(1, G + 1)]]))
+        assert shallow < deep, (alpha, deep, shallow)  # forwards: the catch-up, then one a depth
+        merged = merge_trees(among, chain, alpha, G)
+        assert merged == merge_trees(alone, chain, alpha, G)
+        head_nodes = sum(t not in chain for t in merged[0])
+        assert (0 < head_nodes < G) if alpha == 0.5 else head_nodes == 0, (alpha, merged)
     weak = torch.tensor([[0.01 ** d for d in range(1, G + 1)]])  # a chain the text refutes changes nothing
     assert tree_and_forwards(weak) == (alone, deep)

@@ -17,7 +17,7 @@ last pair's output state drafts the tree:
   which leaves the proposal unchanged and saves the forwards. Merged with prompt lookup
   (``propose_among``), the lookup chain's nodes count among those best ``gamma``: a strong chain
   ends the deepening sooner. (A chain node the tree also holds counts twice there, so deepening
-  can end a depth early; that changes which nodes are drafted, never what is accepted.)
+  can end a depth early; that changes which nodes are drafted, never the output.)
 
 The tree is a deterministic function of the accepted text (q one-hot), so greedy and sampled
 verification both stay exact. Draft K/V live after the accepted text's and are overwritten by the

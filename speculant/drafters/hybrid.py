@@ -83,9 +83,10 @@ class HybridDrafter(Drafter):
         chains = [row[:k] for row, k in zip(lookup.tokens.tolist(), lookup.lengths.tolist())]
         self.last_chain = chains
         # the chain's node scores compete for the γ slots: a strong chain spares the tree's deep forwards
+        alphas = [h / j for h, j in zip(self.hits, self.judged)]
         rivals = torch.zeros(len(chains), max(map(len, chains), default=0))
         for b, chain in enumerate(chains):
-            rivals[b, : len(chain)] = (self.hits[b] / self.judged[b]) ** torch.arange(1, len(chain) + 1)
+            rivals[b, : len(chain)] = alphas[b] ** torch.arange(1, len(chain) + 1)
         prop = self.tree.propose_among(gamma, rivals)
         n = prop.lengths.tolist()
         toks, pars = prop.tokens.tolist(), prop.parents.tolist()
@@ -94,8 +95,7 @@ class HybridDrafter(Drafter):
         else:  # a tree without scores: its own best-first order, as falling scores
             width = prop.tokens.shape[1]
             scs = [[1 - i / (width + 1) for i in range(width)]] * len(toks)
-        trees = [merge_trees((toks[b][: n[b]], pars[b][: n[b]], scs[b][: n[b]]), chains[b],
-                             self.hits[b] / self.judged[b], max(gamma, 1))
+        trees = [merge_trees((toks[b][: n[b]], pars[b][: n[b]], scs[b][: n[b]]), chains[b], alphas[b], max(gamma, 1))
                  for b in range(len(chains))]
         return tree_proposal(trees, self.ctx.device)
 

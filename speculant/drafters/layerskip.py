@@ -110,7 +110,9 @@ class SkipLayersModel(torch.nn.Module):
             )
             hidden = out[0] if isinstance(out, tuple) else out
         hidden = base.norm(hidden)
-        if logits_to_keep:
+        if isinstance(logits_to_keep, torch.Tensor):  # positions, as KVState.append passes them (HF's meaning)
+            hidden = hidden[:, logits_to_keep]
+        elif logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         return SimpleNamespace(logits=self.causal_lm.get_output_embeddings()(hidden))
 

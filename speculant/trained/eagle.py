@@ -197,7 +197,8 @@ class EagleTrainer:
         if int((last - first).max()) < 1:
             return None, 0
         with torch.no_grad():
-            target_logp = (final[:, 1:].to(self.target_rows.dtype) @ self.target_rows.T).float().log_softmax(-1)
+            # contiguous: a strided slice would make the frozen rows a bmm over one copy per row
+            target_logp = (final[:, 1:].to(self.target_rows.dtype).contiguous() @ self.target_rows.T).float().log_softmax(-1)
         rows = torch.arange(n, device=ids.device)[None]
         total = torch.zeros(len(ids), device=ids.device)
         weight = torch.zeros(len(ids), device=ids.device)
