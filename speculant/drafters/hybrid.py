@@ -12,7 +12,7 @@ the target accepted (a path both propose takes the larger score). Scores never g
 so best first lists every parent before its children and any prefix is a tree. The lookup chain is
 drafted first and its scores are handed to the tree drafter (``propose_among``): a head that grows
 its tree depth by depth stops once none of its deeper nodes could beat them to the γ slots, so a
-chain the text keeps confirming (translation, RAG) spares most of the head's forwards.
+chain the text keeps confirming (RAG, summaries) spares most of the head's forwards.
 
 Both drafts are deterministic functions of the accepted text (q one-hot), so greedy and sampled
 verification stay exact.
