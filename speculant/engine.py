@@ -321,15 +321,16 @@ class Engine:
     def _gamma_max(self, req: Request, drafter: Drafter) -> int:
         """The most ``auto`` drafts per pass: 8 tokens for drafters that pay per draft token (models);
         model-free ones (ngram, suffix) cost nothing more for longer drafts, so 16 tokens, or tree
-        nodes (48 on a GPU, where a pass verifies dozens of tokens at the price of one). On a CPU a
-        tree gets 15 nodes: with its root a 16-token block, as a 17th token costs ~12% more there
-        (one more 16-row tile, measured with AMX) for a node that rarely adds much."""
+        nodes (48 on a GPU, where a pass verifies dozens of tokens at the price of one). On a CPU
+        both get 15: with the pass's first token a 16-token block, as a 17th token costs ~12% more
+        there (one more 16-row tile, measured with AMX) for a draft that rarely adds much."""
+        cpu = self.device.type == "cpu"
         if req.gamma_max is not None:
             most = req.gamma_max
         elif drafter.makes_trees:
-            most = 48 if self.device.type == "cuda" else 15
+            most = 15 if cpu else 48
         else:
-            most = 16 if drafter.free_drafts else 8
+            most = (15 if cpu else 16) if drafter.free_drafts else 8
         return min(most, drafter.max_gamma or most)
 
     def _draft(self, b: "Batch", room: int) -> tuple[Proposal, list[int]]:
