@@ -324,13 +324,13 @@ class Engine:
         nodes (48 on a GPU, where a pass verifies dozens of tokens at the price of one). On a CPU
         both get 15: with the pass's first token a 16-token block, as a 17th token costs ~12% more
         there (one more 16-row tile, measured with AMX) for a draft that rarely adds much."""
-        cpu = self.device.type == "cpu"
+        longest = 15 if self.device.type == "cpu" else 16  # model-free drafts, and trees but on CUDA
         if req.gamma_max is not None:
             most = req.gamma_max
         elif drafter.makes_trees:
-            most = 15 if cpu else 48
+            most = 48 if self.device.type == "cuda" else longest
         else:
-            most = (15 if cpu else 16) if drafter.free_drafts else 8
+            most = longest if drafter.free_drafts else 8
         return min(most, drafter.max_gamma or most)
 
     def _draft(self, b: "Batch", room: int) -> tuple[Proposal, list[int]]:
