@@ -280,10 +280,14 @@ class GammaController:
     def costs(self, batch: int) -> StaticCosts:
         return self.cost_model.for_batch(batch)
 
-    def _unmeasured(self, cap: int) -> int | None:
-        """A γ whose verify width this batch size has never timed, narrowest and widest first."""
+    def _unmeasured(self, cap: int, full: bool | None = None) -> int | None:
+        """A γ whose verify width this batch size has never timed, narrowest and widest first.
+        ``full``: the pass may draft all it has (default: cap is the whole budget), so the short
+        passes near a request's end are not taken for the widths to time; a tree smaller than the
+        budget (a head unsure past its first depth) is timed at its own size."""
         batch = len(self.alphas)
-        for gamma in (0, cap, cap // 2) if cap == self.gamma_max else (0,):  # not the short passes near the end
+        full = cap == self.gamma_max if full is None else full
+        for gamma in (0, cap, cap // 2) if full else (0,):
             if not self.verify.covers(batch * (gamma + 1)):
                 return gamma
         return None
@@ -371,7 +375,7 @@ class GammaController:
         the prior calibration now and then."""
         batch = len(self.alphas)
         cap = min(budget, scores.shape[1]) if scores is not None else 0
-        explore = self._unmeasured(cap)
+        explore = self._unmeasured(cap, full=budget == self.gamma_max)
         if explore is not None:
             return [explore] * batch
         if scores is None or cap == 0:

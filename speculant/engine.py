@@ -18,7 +18,7 @@ from .drafters.base import DraftContext, Drafter, Proposal
 from .drafters.model import left_pad
 from .errors import SpeculantError
 from .models.backend import Backend
-from .sampling import LogitsProcessing, SamplingParams, SeededRows, TokenHistory, row_seed, token_logprobs
+from .sampling import LogitsProcessing, SamplingParams, SeededRows, TokenHistory, argmax, row_seed, token_logprobs
 from .tree import block_layout, check_tree, depths, path_block_index, tree_depth
 from .verify import greedy_verify, sample_verify, tree_greedy_verify, tree_sample_verify
 
@@ -240,7 +240,7 @@ class Engine:
         scores = proc.scores(logits[:, -1], context)
         probs = None if proc.greedy else proc.warp(scores)  # a greedy row among sampled ones: one-hot
         if probs is None:
-            pending = scores.argmax(-1)
+            pending = argmax(scores)
         else:
             pending = seeded.override(probs, torch.multinomial(probs, 1, generator=generator).squeeze(1))
         seeded.advance([1] * n)
@@ -463,7 +463,7 @@ def _accept(scores: torch.Tensor, probs: torch.Tensor | None, prop: Proposal, pr
     chosen = None
     if chosen_rows is None or bool(chosen_rows.any()):
         if probs is None:
-            choice = scores.argmax(-1)
+            choice = argmax(scores)
         else:  # block position 0 chooses the row's next token, a draft at depth d the one d after it
             B, T = probs.shape[:2]
             offsets = (torch.cat([torch.zeros_like(prop.parents[:, :1]), depths(prop.parents)], 1) if tree

@@ -289,3 +289,27 @@ def test_a_tree_drafters_cost_counts_against_its_trees():
     dear = _run_trees(GammaController(rows=2, gamma_max=8), 200, 2, 0.8, 3.0, verify)
     assert sum(b > 0 for b in cheap[50:]) == 150
     assert sum(b > 0 for b in dear[50:]) <= 150 // 16, dear
+
+
+def test_trees_smaller_than_the_budget_are_timed_at_their_own_size():
+    """A head unsure past its first depth drafts fewer nodes than the budget. The first passes must
+    still time a block of the tree's own width and half of it, as for a full tree, rather than
+    judge the tree by a cost extrapolated from the plain pass alone (which, for a drafter about as
+    costly as its target, switched a tiny test head off before it verified a node)."""
+    import torch
+
+    ctl = GammaController(rows=1, gamma_max=15)
+    widths = []
+    for _ in range(6):
+        budget = ctl.tree_budget(room=50)
+        assert budget == 15
+        scores = torch.full((1, 8), 0.5)  # 8 depth-1 nodes: a shallow tree
+        caps = ctl.choose_tree(scores, torch.ones(1, 8, dtype=torch.long), torch.tensor([8]), budget)
+        width = caps[0] + 1
+        widths.append(width)
+        if width == 1:
+            ctl.observe(0, 1, [0], [0], draft_seconds=0.1, verify_seconds=1.0)
+        else:
+            ctl.observe_tree(width, caps, [1], [[0.5 * caps[0]]], draft_seconds=0.1, verify_seconds=1.0 + 0.01 * width)
+    assert widths[:3] == [1, 9, 5], widths
+    assert widths[3:] == [9, 9, 9], widths  # timed: the whole tree pays (each node on the path half the time)

@@ -318,3 +318,18 @@ def test_a_batch_keeps_the_forms_it_started_with_when_the_rows_that_needed_them_
         for _ in gen.engine.step(running):
             pass
     assert gen.engine.finish(running)[1].tokens == alone
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_argmax_takes_the_first_of_tied_maxima_as_tensor_argmax_does(dtype):
+    """speculant's argmax (max's indices, faster on a CPU) must choose exactly what HF's argmax does,
+    ties included: bf16 logits tie often, and a different tie-break would change greedy output."""
+    from speculant.sampling import argmax
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(5, 9, 4096, generator=g) * 2).round().to(dtype)  # integers: many tied maxima
+    x[0, 0, 7] = x[0, 0, 3000] = x[0, 0].max() + 1  # a tie at the top, far apart
+    tied = (x == x.max(-1, keepdim=True).values).sum(-1) > 1
+    assert tied.float().mean() > 0.5
+    assert torch.equal(argmax(x), x.argmax(-1))
+    assert int(argmax(x)[0, 0]) == 7

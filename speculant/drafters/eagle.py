@@ -38,7 +38,11 @@ from .base import DraftContext, Drafter, Proposal
 TOP_K = 8  # children offered per expanded node
 BEAM = 6  # nodes expanded per depth
 DEPTH = 6  # deepest draft
-MIN_SCORE = 0.02  # stop deepening once no node of a depth is this likely
+# Stop deepening once no node of a depth is this likely: the next depth's nodes add at most their
+# parent's score in expected tokens, and a forward of the head costs ~1/10 of what a verified token
+# saves (CPU, bf16: ~2 ms a step from cold cache, ~16 ms a token). Measured against 0.02 side by
+# side, eagle+ngram at γ 8: τ 2.28 against 2.30, drafting 6.6 against 8.0 ms a pass, 59.3 against 57.7 tok/s.
+MIN_SCORE = 0.1
 
 
 def load_eagle(folder: str, target: torch.nn.Module, target_name: str, dtype=None) -> "EagleDrafter":
@@ -65,6 +69,9 @@ class EagleDrafter(Drafter):
         self.embed = net.embed_tokens if net.embed_tokens is not None else target.get_input_embeddings()
         self.hidden_layers = net.taps
         self.vocab = int(target.get_output_embeddings().weight.shape[0])
+        draft_ids = net.target_ids(torch.arange(net.lm_head.weight.shape[0], device=net.lm_head.weight.device))
+        outside = draft_ids >= self.vocab  # draft rows the target cannot emit (a head trained on a wider vocabulary)
+        self.outside = outside if bool(outside.any()) else None
 
     def describe(self) -> str:
         return f"eagle:{self.label}"
@@ -152,8 +159,9 @@ class EagleDrafter(Drafter):
 
     def _logprobs(self, normed: torch.Tensor) -> torch.Tensor:
         logits = self.net.lm_head(normed).float()
-        ids = self.net.target_ids(torch.arange(logits.shape[-1], device=logits.device))
-        return logits.masked_fill(ids >= self.vocab, float("-inf")).log_softmax(-1)
+        if self.outside is not None:
+            logits = logits.masked_fill(self.outside.to(logits.device), float("-inf"))
+        return logits.log_softmax(-1)
 
     def propose(self, gamma: int) -> Proposal:
         return self.propose_among(gamma, torch.zeros(len(self.unfed), 0, device=self.ctx.device))

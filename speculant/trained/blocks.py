@@ -23,13 +23,21 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding (rotate-half layout) of x [B, heads, T, D] at positions [B, T]."""
+def rope(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary cos and sin [B, 1, T, D] for positions [B, T]: computed once per forward and shared by
+    every layer's queries and keys (a drafting step is small enough that these ops show)."""
     freqs = positions[..., None].float() * inv_freq.float()
     emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotary embedding (rotate-half layout) of x [B, heads, T, D] with ``rope``'s cos and sin (cast
+    to x's dtype: under autocast a projection's output is narrower than the weights)."""
+    cos, sin = cos_sin
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * emb.cos().to(x.dtype) + rotated * emb.sin().to(x.dtype)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -48,18 +56,18 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else nn.Identity()
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else nn.Identity()
 
-    def queries(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-        """Rotated (normed) queries [B, heads, T, D] of x [B, T, in] at positions [B, T]."""
+    def queries(self, x: torch.Tensor, cos_sin) -> torch.Tensor:
+        """Rotated (normed) queries [B, heads, T, D] of x [B, T, in] (``cos_sin``: ``rope`` of its positions)."""
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, T, self.heads, self.head_dim)).transpose(1, 2)
-        return rotate(q, positions, inv_freq)
+        return rotate(q, cos_sin)
 
-    def keys_values(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor):
-        """Rotated, normed keys and values [B, kv_heads, T, D] of x [B, T, in] at positions [B, T]."""
+    def keys_values(self, x: torch.Tensor, cos_sin):
+        """Rotated, normed keys and values [B, kv_heads, T, D] of x [B, T, in] (``cos_sin`` as ``queries``)."""
         B, T, _ = x.shape
         k = self.k_norm(self.k_proj(x).view(B, T, self.kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
-        return rotate(k, positions, inv_freq), v
+        return rotate(k, cos_sin), v
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Queries [B, heads, T, D] over keys/values [B, kv, S, D] with mask [B, 1, T, S] (True or 0:
@@ -73,11 +81,11 @@ class Attention(nn.Module):
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(o.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1))
 
-    def forward(self, x, positions, inv_freq, kv, mask):
-        """x [B, T, in] at positions [B, T] attends to ``kv(k, v)``: the keys/values its own k, v
-        join (a context before them, a KV cache they are written into), under mask [B, 1, T, S]."""
-        k, v = self.keys_values(x, positions, inv_freq)
-        return self.attend(self.queries(x, positions, inv_freq), *kv(k, v), mask)
+    def forward(self, x, cos_sin, kv, mask):
+        """x [B, T, in] (``cos_sin``: ``rope`` of its positions) attends to ``kv(k, v)``: the keys/values
+        its own k, v join (a context before them, a KV cache they are written into), under mask [B, 1, T, S]."""
+        k, v = self.keys_values(x, cos_sin)
+        return self.attend(self.queries(x, cos_sin), *kv(k, v), mask)
 
 
 class MLP(nn.Module):
@@ -105,8 +113,8 @@ class Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(H, eps)
         self.mlp = MLP(H, cfg["intermediate_size"])
 
-    def forward(self, h, positions, inv_freq, kv, mask):
-        h = h + self.self_attn(self.input_layernorm(h), positions, inv_freq, kv, mask)
+    def forward(self, h, cos_sin, kv, mask):
+        h = h + self.self_attn(self.input_layernorm(h), cos_sin, kv, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

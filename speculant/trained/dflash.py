@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .blocks import Layer, RMSNorm, inv_freq, vocab_logits
+from .blocks import Layer, RMSNorm, inv_freq, rope, vocab_logits
 
 
 class DFlashNet(nn.Module):
@@ -50,13 +50,15 @@ class DFlashNet(nn.Module):
 
     def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, the keys/values the block attends to for context ctx [B, T, H] at positions [B, T]."""
-        return [layer.self_attn.keys_values(ctx, positions, self.inv_freq) for layer in self.layers]
+        cos_sin = rope(positions, self.inv_freq, ctx.dtype)
+        return [layer.self_attn.keys_values(ctx, cos_sin) for layer in self.layers]
 
     def block(self, embeds: torch.Tensor, positions: torch.Tensor, kv, mask: torch.Tensor) -> torch.Tensor:
         """The block's final hidden states [B, K, H] (before the LM head)."""
         h = embeds.to(self.fc.weight.dtype)
+        cos_sin = rope(positions, self.inv_freq, h.dtype)
         for layer, (ctx_k, ctx_v) in zip(self.layers, kv):
-            h = layer(h, positions, self.inv_freq, after(ctx_k, ctx_v), mask)
+            h = layer(h, cos_sin, after(ctx_k, ctx_v), mask)
         return self.norm(h)
 
     def logits(self, hidden: torch.Tensor, target_head: nn.Module, vocab: int) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .blocks import Layer, RMSNorm, inv_freq
+from .blocks import Layer, RMSNorm, inv_freq, rope
 
 
 class EagleFirstLayer(Layer):
@@ -35,12 +35,12 @@ class EagleFirstLayer(Layer):
         self.hidden_norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
         self.norm_before_residual = norm_before_residual
 
-    def forward(self, x, positions, inv_freq, kv, mask):
+    def forward(self, x, cos_sin, kv, mask):
         embeds, hidden = x.chunk(2, -1)
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
         attn_in = torch.cat([self.input_layernorm(embeds), normed], -1)
-        h = residual + self.self_attn(attn_in, positions, inv_freq, kv, mask)
+        h = residual + self.self_attn(attn_in, cos_sin, kv, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -88,8 +88,9 @@ class EagleNet(nn.Module):
         layer l's keys/values to attend to (mask [B, 1, T, S]). Returns (the state the next step
         reads, the normed state the LM head reads)."""
         h = torch.cat([embeds.to(self.dtype), hidden], -1)
+        cos_sin = rope(positions, self.inv_freq, self.dtype)
         for layer, kv in zip(self.layers, kvs):
-            h = layer(h, positions, self.inv_freq, kv, mask)
+            h = layer(h, cos_sin, kv, mask)
         normed = self.norm(h)
         return (normed if self.norm_output else h), normed
 
