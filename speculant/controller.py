@@ -253,6 +253,7 @@ class GammaController:
         self.judged = [False] * rows  # a tree drafter's rows: whether the prior has been weighed
         self.tree_tokens: list[float | None] = [None] * rows  # tokens per tree pass, a running mean
         self.tree_width: float | None = None  # block width of tree passes, a running mean
+        self.widest_tree: int | None = None  # the most nodes a proposal has held (a head may never fill the budget)
         self.retrying = False  # the pass being chosen/observed is a retry of rows that are off
         self.gammas_used: list[int] = []
 
@@ -330,7 +331,8 @@ class GammaController:
         a tree could pay at this batch size on the prior belief, and rows go off while the tokens
         their trees have been yielding do not pay for drafting and verifying them (a large batch)."""
         cap = max(0, min(self.gamma_max, room))
-        if self._unmeasured(cap) is not None:
+        # while the widths a tree would be verified at are untimed, draft it whole (choose_tree times them)
+        if self._unmeasured(min(cap, self.widest_tree or cap), full=cap == self.gamma_max) is not None:
             return cap
         batch = len(self.alphas)
         if not all(self.judged):
@@ -375,6 +377,8 @@ class GammaController:
         the prior calibration now and then."""
         batch = len(self.alphas)
         cap = min(budget, scores.shape[1]) if scores is not None else 0
+        if budget == self.gamma_max:
+            self.widest_tree = max(self.widest_tree or 0, cap)
         explore = self._unmeasured(cap, full=budget == self.gamma_max)
         if explore is not None:
             return [explore] * batch

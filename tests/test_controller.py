@@ -291,25 +291,42 @@ def test_a_tree_drafters_cost_counts_against_its_trees():
     assert sum(b > 0 for b in dear[50:]) <= 150 // 16, dear
 
 
-def test_trees_smaller_than_the_budget_are_timed_at_their_own_size():
-    """A head unsure past its first depth drafts fewer nodes than the budget. The first passes must
-    still time a block of the tree's own width and half of it, as for a full tree, rather than
-    judge the tree by a cost extrapolated from the plain pass alone (which, for a drafter about as
-    costly as its target, switched a tiny test head off before it verified a node)."""
+def _shallow_tree_passes(ctl, passes: int, draft_seconds: float) -> list[int]:
+    """Drive ``ctl`` with a head that only ever drafts 8 depth-1 nodes (budget 15), one accepted a
+    pass; returns the verified block width of each pass (0: no tree was asked for)."""
     import torch
 
-    ctl = GammaController(rows=1, gamma_max=15)
     widths = []
-    for _ in range(6):
+    for _ in range(passes):
         budget = ctl.tree_budget(room=50)
-        assert budget == 15
-        scores = torch.full((1, 8), 0.5)  # 8 depth-1 nodes: a shallow tree
+        if budget == 0:  # what the engine does with an empty proposal
+            ctl.observe(0, 1, [0], [0], draft_seconds=0.0, verify_seconds=1.0)
+            widths.append(0)
+            continue
+        scores = torch.full((1, 8), 0.5)
         caps = ctl.choose_tree(scores, torch.ones(1, 8, dtype=torch.long), torch.tensor([8]), budget)
         width = caps[0] + 1
         widths.append(width)
         if width == 1:
-            ctl.observe(0, 1, [0], [0], draft_seconds=0.1, verify_seconds=1.0)
+            ctl.observe(0, 1, [0], [0], draft_seconds=draft_seconds, verify_seconds=1.0)
         else:
-            ctl.observe_tree(width, caps, [1], [[0.5 * caps[0]]], draft_seconds=0.1, verify_seconds=1.0 + 0.01 * width)
+            ctl.observe_tree(width, caps, [1], [[0.5 * caps[0]]], draft_seconds=draft_seconds,
+                             verify_seconds=1.0 + 0.01 * width)
+    return widths
+
+
+def test_trees_smaller_than_the_budget_are_timed_at_their_own_size():
+    """A head unsure past its first depth drafts fewer nodes than the budget. Its first passes time
+    a block of the tree's own width and half of it, as for a full tree, rather than leave the choice
+    to a cost extrapolated from the plain pass alone."""
+    widths = _shallow_tree_passes(GammaController(rows=1, gamma_max=15), 6, draft_seconds=0.1)
     assert widths[:3] == [1, 9, 5], widths
-    assert widths[3:] == [9, 9, 9], widths  # timed: the whole tree pays (each node on the path half the time)
+    assert widths[3:] == [9, 9, 9], widths  # cheap to draft, one token a pass from 8 nodes: all verified
+
+
+def test_shallow_trees_too_costly_to_draft_are_switched_off():
+    """Drafting is weighed once the widths a head's trees reach are timed, even if its trees never
+    fill the budget (the budget's own width is then never timed)."""
+    widths = _shallow_tree_passes(GammaController(rows=1, gamma_max=15), 200, draft_seconds=20.0)
+    late = widths[50:]
+    assert sum(w > 0 for w in late) <= len(late) // 8, widths  # off but for the retries
