@@ -291,27 +291,26 @@ def test_a_tree_drafters_cost_counts_against_its_trees():
     assert sum(b > 0 for b in dear[50:]) <= 150 // 16, dear
 
 
-def _shallow_tree_passes(ctl, passes: int, draft_seconds: float) -> list[int]:
-    """Drive ``ctl`` with a head that only ever drafts 8 depth-1 nodes (budget 15), one accepted a
-    pass; returns the verified block width of each pass (0: no tree was asked for)."""
+def _shallow_tree_passes(ctl, passes: int, draft_seconds: float, score: float = 0.5, hits=lambda i: 1) -> list[int]:
+    """Drive ``ctl`` with a head that only ever drafts 8 depth-1 nodes (budget 15) of this score, of
+    which ``hits(i)`` (0 or 1) is accepted at pass i; returns the verified block width of each pass
+    (0: no tree was asked for)."""
     import torch
 
     widths = []
-    for _ in range(passes):
+    for i in range(passes):
         budget = ctl.tree_budget(room=50)
         if budget == 0:  # what the engine does with an empty proposal
             ctl.observe(0, 1, [0], [0], draft_seconds=0.0, verify_seconds=1.0)
             widths.append(0)
             continue
-        scores = torch.full((1, 8), 0.5)
+        scores = torch.full((1, 8), score)
         caps = ctl.choose_tree(scores, torch.ones(1, 8, dtype=torch.long), torch.tensor([8]), budget)
         width = caps[0] + 1
         widths.append(width)
-        if width == 1:
-            ctl.observe(0, 1, [0], [0], draft_seconds=draft_seconds, verify_seconds=1.0)
-        else:
-            ctl.observe_tree(width, caps, [1], [[0.5 * caps[0]]], draft_seconds=draft_seconds,
-                             verify_seconds=1.0 + 0.01 * width)
+        # as the engine does: a tree pass, even one cut to nothing, is observed as one
+        ctl.observe_tree(width, caps, [hits(i) if width > 1 else 0], [[score * caps[0]] if width > 1 else []],
+                         draft_seconds=draft_seconds, verify_seconds=1.0 + 0.01 * width)
     return widths
 
 
@@ -328,5 +327,25 @@ def test_shallow_trees_too_costly_to_draft_are_switched_off():
     """Drafting is weighed once the widths a head's trees reach are timed, even if its trees never
     fill the budget (the budget's own width is then never timed)."""
     widths = _shallow_tree_passes(GammaController(rows=1, gamma_max=15), 200, draft_seconds=20.0)
+    late = widths[50:]
+    assert sum(w > 0 for w in late) <= len(late) // 8, widths  # off but for the retries
+
+
+def test_an_answers_first_misses_do_not_switch_its_drafting_off():
+    """The head misses an answer's first tokens, then predicts well. Its calibration falls and its
+    trees are cut, but the row keeps drafting and verifies at least its best node: only the yields
+    its trees measure switch drafting off, and the calibration goes on learning, so the whole tree
+    is verified again once the head comes right."""
+    widths = _shallow_tree_passes(GammaController(rows=1, gamma_max=15), 40, draft_seconds=0.1, score=0.3,
+                                  hits=lambda i: int(i >= 12))
+    assert 0 not in widths, widths  # a tree was asked for every pass (0: the row had been switched off)
+    assert widths[-5:] == [9] * 5, widths  # and verified whole once the head came right
+
+
+def test_trees_always_cut_to_nothing_switch_drafting_off():
+    """A row whose trees never pay (nothing accepted, drafting half a pass's cost) must not go on
+    paying for drafting every pass: its measured yields switch it off."""
+    widths = _shallow_tree_passes(GammaController(rows=1, gamma_max=15), 200, draft_seconds=0.5, score=0.001,
+                                  hits=lambda i: 0)
     late = widths[50:]
     assert sum(w > 0 for w in late) <= len(late) // 8, widths  # off but for the retries
