@@ -17,6 +17,12 @@ request whose text turns repetitive later gets speculation back. A retry that fa
 cost beyond a plain pass (for a model drafter that includes catching up on the text it skipped),
 so the wait before the next one is at least ``RETRY_BUDGET`` times that cost in passes, and at
 least ``retry_every`` passes, doubling while retries fail: retries stay within ~3% of the time.
+
+Token trees (EAGLE, Medusa, merged with lookup) are paid for before they are seen, so their
+drafting is judged on measured yields: tokens per tree pass against plain passes, drafting
+included (``tree_budget``), with a 10% margin. Each pass then keeps the nodes worth verifying, by
+the drafter's scores calibrated per row and depth (``choose_tree``); a row already drafting
+verifies at least its best node, so one pessimistic estimate does not switch it off.
 """
 from __future__ import annotations
 
@@ -362,8 +368,8 @@ class GammaController:
         self.wait[row] = max(self.wait[row], self._first_wait())
 
     def _trees_pay(self, batch: int) -> bool:
-        """Whether the rows that are on yield enough per tree pass (drafting included) to beat plain
-        passes, by a margin; True until tree passes at this engine have been timed."""
+        """Whether the rows that are on yield, per second of tree passes (drafting included), at least
+        TREE_MARGIN of what plain passes yield; True until tree passes at this engine have been timed."""
         if not self.cost_model.draft_pass.points or self.tree_width is None:
             return True
         tokens = sum((TREE_PRIOR_TOKENS if t is None else t) if on else 1.0  # rows new to trees: the prior
@@ -377,9 +383,9 @@ class GammaController:
         maximising expected tokens per second, where a row's pass yields 1 + the sum over its kept
         nodes of score x the row's calibration at that node's depth, over the measured cost of a
         pass of that width. A row already drafting stays on and verifies at least its best node
-        (tree_budget switches it off on the yields its trees measure); rows that are off are
-        re-tried with the prior calibration now and then, and verify nothing if the retry does not
-        look worth it."""
+        (tree_budget switches the batch's drafting off on the yields its trees measure); rows that
+        are off, or have no node this pass, are re-tried with the prior calibration now and then, and
+        verify nothing if the retry does not look worth it."""
         batch = len(self.alphas)
         cap = min(budget, scores.shape[1]) if scores is not None else 0
         if budget == self.gamma_max:
@@ -410,12 +416,13 @@ class GammaController:
             elif retry[row]:  # the retry did not look worth it: wait longer
                 self._back_off(row)
                 self.off_for[row] = 0
-        # A row that was drafting stays on and verifies at least its best node: only the yields its
-        # trees measure switch its drafting off (tree_budget), and its calibration keeps learning.
+        # A row that was drafting stays on and verifies at least its best node: only the yields the
+        # batch's trees measure switch drafting off (tree_budget), and its calibration keeps learning.
         # Estimates from an answer's first few misses (calibration at ~0.15) had switched rows off
         # for 16+ passes: 53.9 before against 56.3 tok/s side by side (bf16 CPU, eagle+ngram, 24
         # prompts), where a fixed γ 8 ran 57.2.
-        on = [row_on or was_on for row_on, was_on in zip(on, self.on)]
+        has_nodes = (lengths > 0).tolist()  # a model-free tree (suffix) may have none for a row: it goes off
+        on = [row_on or (was_on and nodes) for row_on, was_on, nodes in zip(on, self.on, has_nodes)]
         if any(on) and width == 0:
             width = _argmax(lambda g: sum(gain[g] if row_on else 1.0 for gain, row_on in zip(gains, on))
                             / verifying.seconds(g), min(len(g) for g in gains) - 1, start=1)

@@ -308,9 +308,11 @@ def _shallow_tree_passes(ctl, passes: int, draft_seconds: float, score: float = 
         caps = ctl.choose_tree(scores, torch.ones(1, 8, dtype=torch.long), torch.tensor([8]), budget)
         width = caps[0] + 1
         widths.append(width)
-        # as the engine does: a tree pass, even one cut to nothing, is observed as one
-        ctl.observe_tree(width, caps, [hits(i) if width > 1 else 0], [[score * caps[0]] if width > 1 else []],
-                         draft_seconds=draft_seconds, verify_seconds=1.0 + 0.01 * width)
+        if width == 1:  # as the engine does: a tree cut to nothing is a plain pass
+            ctl.observe(0, 1, [0], [0], draft_seconds=draft_seconds, verify_seconds=1.0)
+        else:
+            ctl.observe_tree(width, caps, [hits(i)], [[score * caps[0]]], draft_seconds=draft_seconds,
+                             verify_seconds=1.0 + 0.01 * width)
     return widths
 
 
@@ -342,10 +344,34 @@ def test_an_answers_first_misses_do_not_switch_its_drafting_off():
     assert widths[-5:] == [9] * 5, widths  # and verified whole once the head came right
 
 
-def test_trees_always_cut_to_nothing_switch_drafting_off():
+def test_trees_that_never_pay_switch_drafting_off():
     """A row whose trees never pay (nothing accepted, drafting half a pass's cost) must not go on
     paying for drafting every pass: its measured yields switch it off."""
     widths = _shallow_tree_passes(GammaController(rows=1, gamma_max=15), 200, draft_seconds=0.5, score=0.001,
                                   hits=lambda i: 0)
     late = widths[50:]
     assert sum(w > 0 for w in late) <= len(late) // 8, widths  # off but for the retries
+
+
+def test_a_row_with_no_nodes_goes_off_while_another_row_drafts():
+    """A model-free tree drafter (suffix) may have no node for a row. That row goes off (it is
+    re-tried later), rather than stay on with a yield it never measures."""
+    import torch
+
+    ctl = GammaController(rows=2, gamma_max=8)
+    for _ in range(30):
+        budget = ctl.tree_budget(room=50)
+        if budget == 0:
+            ctl.observe(0, 1, [0, 0], [0, 0], draft_seconds=0.0, verify_seconds=1.0)
+            continue
+        scores = torch.tensor([[0.5] * budget, [0.0] * budget])
+        lengths = torch.tensor([budget, 0])  # row 1: no match, no nodes
+        depths = torch.arange(1, budget + 1).repeat(2, 1)
+        caps = ctl.choose_tree(scores, depths, lengths, budget)
+        width = max(caps) + 1
+        if width == 1:
+            ctl.observe(0, 1, [0, 0], [0, 0], draft_seconds=0.1, verify_seconds=1.0)
+        else:
+            ctl.observe_tree(width, [caps[0], 0], [1, 0], [[0.5] * caps[0], []], draft_seconds=0.1,
+                             verify_seconds=1.0 + 0.02 * width)
+    assert ctl.on == [True, False], ctl.on
