@@ -81,12 +81,14 @@ def choose_batch_width(gains: Sequence[Sequence[float]], costs) -> tuple[int, li
     on = [g > 0 for g in best_alone]
     if not any(on):
         return 0, on
-
-    def rate(g: int) -> float:
-        return sum(gain[g] if row_on else 1.0 for gain, row_on in zip(gains, on)) / costs.seconds(g)
-
-    gamma = _argmax(rate, width)
+    gamma = _argmax(lambda g: batch_rate(gains, on, costs, g), width)
     return gamma, on if gamma > 0 else [False] * len(on)
+
+
+def batch_rate(gains: Sequence[Sequence[float]], on: Sequence[bool], costs, g: int) -> float:
+    """Expected tokens per second of a batch pass at width g: rows that are on draft (gains[row][g]),
+    the others take one plain token."""
+    return sum(gain[g] if row_on else 1.0 for gain, row_on in zip(gains, on)) / costs.seconds(g)
 
 
 def _argmax(f, gamma_max: int, start: int = 0) -> int:
@@ -424,8 +426,7 @@ class GammaController:
         has_nodes = (lengths > 0).tolist()  # a model-free tree (suffix) may have none for a row: it goes off
         on = [row_on or (was_on and nodes) for row_on, was_on, nodes in zip(on, self.on, has_nodes)]
         if any(on) and width == 0:
-            width = _argmax(lambda g: sum(gain[g] if row_on else 1.0 for gain, row_on in zip(gains, on))
-                            / verifying.seconds(g), min(len(g) for g in gains) - 1, start=1)
+            width = _argmax(lambda g: batch_rate(gains, on, verifying, g), min(len(g) for g in gains) - 1, start=1)
         self.on = on
         return [width if row_on else 0 for row_on in on]
 
