@@ -232,7 +232,7 @@ def train(a) -> None:
     from speculant.models.loading import load_model
     from speculant.trained.data import Features
     from speculant.trained.eagle import EagleNet, EagleTrainer
-    from speculant.trained.train import TrainSettings, _network, draft_vocabulary
+    from speculant.trained.train import TrainSettings, _network, draft_vocabulary, mixed_precision
 
     t0 = time.time()
     torch.manual_seed(a.seed)
@@ -276,7 +276,7 @@ def train(a) -> None:
 
     def evaluate(net_, trainer_) -> dict:
         net_.eval()
-        with torch.autocast("cuda", torch.bfloat16, enabled=a.device.startswith("cuda")):
+        with mixed_precision(a.device, a.dtype):
             m = trainer_.evaluate(held_f, random.Random(1))
         net_.train()
         return m
@@ -312,7 +312,7 @@ def train(a) -> None:
             for g in opt.param_groups:
                 g["lr"] = lr
             ids, aux, final, lf, n, _ = _tapped(model, taps, n_layers, trainset, idx, a.seq_len, a.device)
-            with torch.autocast("cuda", torch.bfloat16, enabled=a.device.startswith("cuda")):
+            with mixed_precision(a.device, a.dtype):
                 loss, rows = trainer.loss_batch(ids, aux, final, lf, n)
             if loss is None:
                 continue

@@ -20,10 +20,10 @@ from __future__ import annotations
 import random
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .blocks import Layer, RMSNorm, inv_freq, rope
+from .losses import head_kl
 
 
 class EagleFirstLayer(Layer):
@@ -148,11 +148,13 @@ class EagleTrainer:
     def _run(self, f, steps: int, own_tokens: bool):
         """Per step k: draft logits [n, Vd] of every row of one sequence (row i: prediction of token i+2+k)."""
         dev = self.net.fc.weight.device
-        return [x[0] for x in self._run_batch(f.ids[None].to(dev), f.hidden[None].to(dev), steps, own_tokens)]
+        states = self._run_batch(f.ids[None].to(dev), f.hidden[None].to(dev), steps, own_tokens)
+        return [self.net.lm_head(x[0]).float() for x in states]
 
     def _run_batch(self, ids: torch.Tensor, aux: torch.Tensor, steps: int, own_tokens: bool):
         """``ids`` [B, T] (right-padded: causal attention keeps padding out of every real row), the
-        tapped target states ``aux`` [B, T, taps, Ht] -> per step k, draft logits [B, n, Vd], n = T - 1."""
+        tapped target states ``aux`` [B, T, taps, Ht] -> per step k, the drafter's normed states
+        [B, n, H] that its LM head reads, n = T - 1."""
         net = self.net
         B, n = ids.shape[0], ids.shape[1] - 1
         hidden = net.features(aux[:, :-1])  # [B, n, H]
@@ -174,10 +176,9 @@ class EagleTrainer:
             mask = torch.cat([causal] + [own] * k, 1)[None, None]
             hidden, normed = net.step(self.embed(tokens), hidden, positions + k, [joined(i) for i in
                                                                                 range(len(net.layers))], mask)
-            logits = net.lm_head(normed).float()
-            out.append(logits)
+            out.append(normed)
             if own_tokens:  # evaluation: feed its own guesses, as drafting does
-                tokens = net.target_ids(logits.argmax(-1))
+                tokens = net.target_ids(net.lm_head(normed).argmax(-1))
             else:  # training: the text's next tokens (row i: token i+2+k), past the end a filler
                 tokens = torch.cat([ids[:, 2 + k :], ids.new_zeros(B, k + 1)], 1)
         return out
@@ -197,22 +198,18 @@ class EagleTrainer:
         last = lengths - 1  # rows < last - k have a token for step k
         if int((last - first).max()) < 1:
             return None, 0
-        with torch.no_grad():
-            # contiguous: a strided slice would make the frozen rows a bmm over one copy per row
-            target_logp = (final[:, 1:].to(self.target_rows.dtype).contiguous() @ self.target_rows.T).float().log_softmax(-1)
         rows = torch.arange(n, device=ids.device)[None]
-        total = torch.zeros(len(ids), device=ids.device)
-        weight = torch.zeros(len(ids), device=ids.device)
-        for k, logits in enumerate(self._run_batch(ids, aux, self.steps, own_tokens=False)):
-            live = ((rows >= first[:, None]) & (rows < (last - k)[:, None]))[:, : n - k]
-            kl = F.kl_div(logits[:, : n - k].log_softmax(-1), target_logp[:, k:], log_target=True,
-                          reduction="none").sum(-1)
-            count = live.sum(1)
-            mean = torch.where(live, kl, 0.0).sum(1) / count.clamp_min(1)
-            total = total + self.decay ** k * mean * (count > 0)
-            weight = weight + self.decay ** k * (count > 0)
+        live = [((rows >= first[:, None]) & (rows < (last - k)[:, None]))[:, : n - k] for k in range(self.steps)]
+        counts = [x.sum(1) for x in live]
+        weight = sum(self.decay ** k * (c > 0) for k, c in enumerate(counts))
         some = weight > 0
-        return (total[some] / weight[some]).mean(), int((last - first).clamp_min(0).sum())
+        share = some / weight.clamp_min(1e-12) / some.sum()  # each sequence's part of the mean
+        total = torch.zeros((), device=ids.device)
+        for k, normed in enumerate(self._run_batch(ids, aux, self.steps, own_tokens=False)):
+            b, i = live[k].nonzero(as_tuple=True)  # step k's row i is judged on the target at i + 1 + k
+            w = (self.decay ** k * share / counts[k].clamp_min(1))[b]
+            total = total + head_kl(normed[b, i], self.net.lm_head.weight, final[b, i + 1 + k], self.target_rows, w)
+        return total, int((last - first).clamp_min(0).sum())
 
     @torch.no_grad()
     def evaluate(self, features, rng: random.Random) -> dict:

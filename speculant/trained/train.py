@@ -140,6 +140,11 @@ class Progress:
             self.last = time.time()
             print(f"speculant train: {name} {done if done is not None else ''} {info}", file=sys.stderr, flush=True)
 
+    def note(self, line: str):
+        """A line worth keeping (a checkpoint), printed even with --no-progress; a bar shows it itself."""
+        if self.bar is None:
+            print(f"speculant train: {line}", file=sys.stderr, flush=True)
+
     def close(self):
         if self.bar is not None:
             self.bar.stop()
@@ -434,6 +439,15 @@ def feature_dtype(dtype: str, device: str | None) -> str:
     return "bfloat16" if native() else "float32"
 
 
+def mixed_precision(device: str | None, dtype: str = "auto"):
+    """bfloat16 autocast where the target's features are bfloat16 (``feature_dtype``: a GPU, or a CPU
+    with native bf16 matmuls): the drafter's weights and optimiser stay float32."""
+    from ..models.loading import resolve_device
+
+    enabled = feature_dtype(dtype, device) == "bfloat16"
+    return torch.autocast(resolve_device(device).type, torch.bfloat16, enabled=enabled)
+
+
 def run_train(s: TrainSettings, progress_bar: bool = True, log=print) -> dict:
     check_settings(s)
     from ..models.loading import forget_loaded, load_model
@@ -461,7 +475,7 @@ def run_train(s: TrainSettings, progress_bar: bool = True, log=print) -> dict:
             f.final = f.hidden[:, feature_taps.index(n_layers)].clone()
             f.hidden = f.hidden[:, [feature_taps.index(t) for t in taps]]
         forget_loaded(target)  # later loads in this process get the target in the dtype they ask for
-        model.float()  # the drafter trains in float32 beside the target's frozen embeddings and LM head
+        model.float()  # the drafter keeps float32 weights beside the frozen target (bf16 autocast: mixed_precision)
         rng.shuffle(features)
         held = features[: min(s.eval_sequences, max(1, len(features) // 10))]
         train = features[len(held):] or features
@@ -496,7 +510,8 @@ def run_train(s: TrainSettings, progress_bar: bool = True, log=print) -> dict:
                 opt.zero_grad()
                 losses = []
                 for i in order[start : start + s.batch]:
-                    loss, n = trainer.loss(train[i], rng)
+                    with mixed_precision(s.device, s.dtype):
+                        loss, n = trainer.loss(train[i], rng)
                     if loss is not None:
                         (loss / s.batch).backward()
                         losses.append(float(loss.detach()))
@@ -508,11 +523,14 @@ def run_train(s: TrainSettings, progress_bar: bool = True, log=print) -> dict:
                 rate = seen_tokens / max(1e-9, time.time() - t_train)
                 info = f"loss {sum(losses) / max(1, len(losses)):.3f}, {rate:.0f} tok/s"
                 if step % s.checkpoint_every == 0 or step == total:
-                    metrics = trainer.evaluate(held, random.Random(1))
+                    with mixed_precision(s.device, s.dtype):
+                        metrics = trainer.evaluate(held, random.Random(1))
                     info += f", held-out τ {metrics['tau']:.2f}"
                     torch.save({"config": cfg, "net": net.state_dict(), "opt": opt.state_dict(), "step": step}, ckpt)
+                    progress.note(f"step {step}/{total}: {info}; checkpoint {ckpt}")
                 progress.advance("training (steps)", 1, info, done=step)
-        metrics = trainer.evaluate(held, random.Random(1))
+        with mixed_precision(s.device, s.dtype):
+            metrics = trainer.evaluate(held, random.Random(1))
     finally:
         progress.close()
     state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in net.state_dict().items()}

@@ -1,0 +1,50 @@
+"""A drafter's distillation loss through its LM head, a chunk of rows at a time.
+
+``head_kl`` is Σ_r w_r · KL(p_r ‖ softmax(x_r Wᵀ)) for the target's distributions p_r = softmax(f_r Tᵀ)
+(its final normed states f, its LM head's rows T). Done the plain way, every step of training-time
+test materialises [rows, vocabulary] logits in float32 and runs a dozen passes over them (cast,
+log_softmax, kl_div, their backward), which on a CPU cost more than the matmuls. Here each chunk's
+logits, target distribution and gradient (softmax(z) − p) are made and used while they are in cache,
+and the gradients of x and W are computed in the forward: the backward only scales them.
+"""
+from __future__ import annotations
+
+import torch
+
+CHUNK = 128  # rows at a time: a chunk's float32 logits over an 8k draft vocabulary fit in cache
+
+
+class _HeadKL(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, final, target_rows, row_weights, chunk):
+        dev = x.device.type  # matmuls in autocast's dtype where it is on, cast once rather than per chunk
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        w_head, t_head = weight.to(dtype), target_rows.to(dtype)
+        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        grad_x = torch.empty_like(x)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
+        for s in range(0, x.shape[0], chunk):
+            xc, w = x[s : s + chunk].to(dtype), row_weights[s : s + chunk, None].float()
+            z = (xc @ w_head.T).float()
+            target_logp = (final[s : s + chunk].to(dtype) @ t_head.T).float().log_softmax(-1)
+            p = target_logp.exp()
+            logq = z.sub_(z.logsumexp(-1, keepdim=True))
+            total += (w * (p * (target_logp - logq)).sum(-1, keepdim=True)).sum()
+            g = logq.exp_().sub_(p).mul_(w).to(dtype)  # ∂KL/∂z = softmax(z) − p, times the row's weight
+            grad_x[s : s + chunk] = g @ w_head
+            grad_w += (g.T @ xc).float()
+        ctx.save_for_backward(grad_x, grad_w.to(weight.dtype))
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_x, grad_w = ctx.saved_tensors
+        return grad_x * grad.to(grad_x.dtype), grad_w * grad.to(grad_w.dtype), None, None, None, None
+
+
+def head_kl(x: torch.Tensor, weight: torch.Tensor, final: torch.Tensor, target_rows: torch.Tensor,
+            row_weights: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
+    """Σ_r row_weights[r] · KL(softmax(final[r] target_rowsᵀ) ‖ softmax(x[r] weightᵀ)) for x [R, H]
+    (the drafter's normed states), weight [V, H] (its LM head), final [R, Ht] and target_rows [V, Ht]
+    (the target's, no gradient): a scalar with gradients for x and weight."""
+    return _HeadKL.apply(x, weight, final, target_rows.detach(), row_weights.detach(), chunk)
