@@ -211,25 +211,10 @@ def test_an_expensive_retry_waits_long_and_the_next_request_remembers():
 def test_a_tree_drafter_is_not_asked_to_draft_while_every_row_is_off():
     """Trees that never pay are cut to nothing; after that the controller stops asking for them
     (their drafting would be wasted) except for retries, which back off."""
-    import torch
 
     ctl = GammaController(rows=2, gamma_max=8, retry_every=16)
-    asked = []
-    for _ in range(300):
-        budget = ctl.tree_budget(room=50)
-        asked.append(budget)
-        if budget == 0:  # what the engine does with an empty proposal
-            ctl.observe(0, 1, [0, 0], [0, 0], draft_seconds=0.0, verify_seconds=1.0)
-            continue
-        scores = torch.full((2, budget), 0.02)
-        depths = torch.arange(1, budget + 1).repeat(2, 1)
-        caps = ctl.choose_tree(scores, depths, torch.tensor([budget, budget]), budget)
-        width = max(caps) + 1
-        if width == 1:
-            ctl.observe(0, 1, [0, 0], [0, 0], draft_seconds=0.5, verify_seconds=1.0)
-        else:
-            ctl.observe_tree(width, caps, [0, 0], [[0.02] * c for c in caps], draft_seconds=0.5,
-                             verify_seconds=1.0 + 0.2 * width)
+    asked = _run_trees(ctl, 300, lambda budget: [[0.02] * budget] * 2, lambda caps: [0, 0], 0.5,
+                       lambda k: 1.0 if k == 1 else 1.0 + 0.2 * k)
     late = asked[50:]
     assert 1 <= sum(b > 0 for b in late) <= len(late) // 16, asked
     # a row whose tree pays (its trees yield 5 tokens a pass) keeps being asked every pass
@@ -255,28 +240,39 @@ def test_new_rows_are_judged_at_the_full_budget_and_count_the_prior_yield():
     assert one.tree_budget(room=16) == 8 and all(one.on)
 
 
-def _run_trees(ctl, passes, rows, score, draft_seconds, verify_cost):
-    """Drive a controller with a synthetic tree drafter whose every node is accepted with its score."""
+def _run_trees(ctl, passes, row_scores, accepted, draft_seconds, verify_cost):
+    """Drive ``ctl`` as the engine does with a synthetic tree drafter: ``row_scores(budget)`` gives
+    each row's nodes (a chain: depths 1, 2, ...) by score, and a row may have none;
+    ``accepted(caps)`` the depth each row's verified nodes reach. Returns the budget asked each pass."""
     import torch
 
     asked = []
     for _ in range(passes):
         budget = ctl.tree_budget(room=50)
         asked.append(budget)
-        if budget == 0:
+        rows = len(ctl.on)
+        if budget == 0:  # what the engine does with no proposal
             ctl.observe(0, 1, [0] * rows, [0] * rows, draft_seconds=0.0, verify_seconds=verify_cost(1))
             continue
-        scores = torch.tensor([score ** d for d in range(1, budget + 1)]).repeat(rows, 1)  # a chain of nodes
+        nodes = row_scores(budget)
+        lengths = [len(n) for n in nodes]
+        scores = torch.tensor([n + [0.0] * (budget - len(n)) for n in nodes])
         depths = torch.arange(1, budget + 1).repeat(rows, 1)
-        caps = ctl.choose_tree(scores, depths, torch.full((rows,), budget), budget)
+        caps = ctl.choose_tree(scores, depths, torch.tensor(lengths), budget)
+        caps = [min(c, n) for c, n in zip(caps, lengths)]
         width = max(caps) + 1
         if width == 1:  # cut to nothing: the engine verifies the plain block
             ctl.observe(0, 1, [0] * rows, [0] * rows, draft_seconds=draft_seconds, verify_seconds=verify_cost(1))
         else:
-            accepted = [min(c, 2) for c in caps]
-            ctl.observe_tree(width, caps, accepted, [[score ** d for d in range(1, c + 1)] for c in caps],
+            ctl.observe_tree(width, caps, accepted(caps), [n[:c] for n, c in zip(nodes, caps)],
                              draft_seconds=draft_seconds, verify_seconds=verify_cost(width))
     return asked
+
+
+def _chain(score: float, rows: int):
+    """Every row drafts a chain of nodes scoring score, score², ...; 2 of them are accepted."""
+    return (lambda budget: [[score ** d for d in range(1, budget + 1)]] * rows,
+            lambda caps: [min(c, 2) for c in caps])
 
 
 def test_a_tree_drafters_cost_counts_against_its_trees():
@@ -285,8 +281,8 @@ def test_a_tree_drafters_cost_counts_against_its_trees():
     def verify(k):
         return 1.0 + 0.01 * k
 
-    cheap = _run_trees(GammaController(rows=2, gamma_max=8), 200, 2, 0.8, 0.05, verify)
-    dear = _run_trees(GammaController(rows=2, gamma_max=8), 200, 2, 0.8, 3.0, verify)
+    cheap = _run_trees(GammaController(rows=2, gamma_max=8), 200, *_chain(0.8, 2), 0.05, verify)
+    dear = _run_trees(GammaController(rows=2, gamma_max=8), 200, *_chain(0.8, 2), 3.0, verify)
     assert sum(b > 0 for b in cheap[50:]) == 150
     assert sum(b > 0 for b in dear[50:]) <= 150 // 16, dear
 
@@ -356,22 +352,8 @@ def test_trees_that_never_pay_switch_drafting_off():
 def test_a_row_with_no_nodes_goes_off_while_another_row_drafts():
     """A model-free tree drafter (suffix) may have no node for a row. That row goes off (it is
     re-tried later), rather than stay on with a yield it never measures."""
-    import torch
 
     ctl = GammaController(rows=2, gamma_max=8)
-    for _ in range(30):
-        budget = ctl.tree_budget(room=50)
-        if budget == 0:
-            ctl.observe(0, 1, [0, 0], [0, 0], draft_seconds=0.0, verify_seconds=1.0)
-            continue
-        scores = torch.tensor([[0.5] * budget, [0.0] * budget])
-        lengths = torch.tensor([budget, 0])  # row 1: no match, no nodes
-        depths = torch.arange(1, budget + 1).repeat(2, 1)
-        caps = ctl.choose_tree(scores, depths, lengths, budget)
-        width = max(caps) + 1
-        if width == 1:
-            ctl.observe(0, 1, [0, 0], [0, 0], draft_seconds=0.1, verify_seconds=1.0)
-        else:
-            ctl.observe_tree(width, [caps[0], 0], [1, 0], [[0.5] * caps[0], []], draft_seconds=0.1,
-                             verify_seconds=1.0 + 0.02 * width)
+    _run_trees(ctl, 30, lambda budget: [[0.5] * budget, []], lambda caps: [1, 0], 0.1,
+               lambda k: 1.0 if k == 1 else 1.0 + 0.02 * k)
     assert ctl.on == [True, False], ctl.on
