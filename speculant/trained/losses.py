@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import torch
 
-CHUNK = 128  # rows at a time: a chunk's float32 logits over an 8k draft vocabulary fit in cache
+# rows at a time: on a CPU a chunk's float32 logits over an 8k draft vocabulary stay in cache (64-512
+# measured alike, 754 -> ~1200 tokens/s of training against the plain loss); a GPU wants few, large kernels
+CHUNK = 128
+GPU_CHUNK = 4096
 
 
 class _HeadKL(torch.autograd.Function):
@@ -43,8 +46,9 @@ class _HeadKL(torch.autograd.Function):
 
 
 def head_kl(x: torch.Tensor, weight: torch.Tensor, final: torch.Tensor, target_rows: torch.Tensor,
-            row_weights: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
+            row_weights: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
     """Σ_r row_weights[r] · KL(softmax(final[r] target_rowsᵀ) ‖ softmax(x[r] weightᵀ)) for x [R, H]
     (the drafter's normed states), weight [V, H] (its LM head), final [R, Ht] and target_rows [V, Ht]
     (the target's, no gradient): a scalar with gradients for x and weight."""
+    chunk = chunk or (CHUNK if x.device.type == "cpu" else GPU_CHUNK)
     return _HeadKL.apply(x, weight, final, target_rows.detach(), row_weights.detach(), chunk)
