@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--device", default=None)
     t.add_argument("--resume", action="store_true", help="reuse cached features and the last checkpoint")
     t.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
-    t.add_argument("--no-progress", action="store_true")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar: one line per checkpoint")
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("export", help="print (and write) the vLLM --speculative-config for a target and drafter",

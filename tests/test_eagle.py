@@ -119,6 +119,31 @@ def test_a_batch_of_padded_sequences_gives_the_mean_of_their_own_losses():
     assert torch.allclose(grads, torch.autograd.grad(want, net.fc.weight)[0], rtol=1e-4, atol=1e-7)
 
 
+def test_the_loss_is_the_decayed_mean_kl_of_each_steps_answer_rows():
+    """loss (head_kl over weighted rows) against the loss written out with kl_div: per training-time
+    step k, the mean KL(target ‖ draft) over the answer rows that have a token k steps on, row i
+    judged on the target's distribution at position i + 1 + k, weighted decay^k; gradients too."""
+    target = tiny_llama(0, layers=3)
+    net = EagleNet(eagle_config(target, "tiny", TAPS, None, steps=3))
+    trainer = EagleTrainer(net, target.get_input_embeddings(), target.lm_head, steps=3, decay=0.8)
+    f = _features(target, torch.randint(2, 96, (23,), generator=torch.Generator().manual_seed(3)).tolist())
+    f.loss_from = 5
+    got, _ = trainer.loss(f, None)
+    target_logp = (f.final[1:] @ trainer.target_rows.T).log_softmax(-1)
+    first, n = f.loss_from - 1, len(f.ids) - 1
+    total = weight = 0.0
+    for k, logits in enumerate(trainer._run(f, 3, own_tokens=False)):
+        rows = torch.arange(first, n - k)
+        kl = torch.nn.functional.kl_div(logits[rows].log_softmax(-1), target_logp[rows + k], log_target=True,
+                                        reduction="none").sum(-1)
+        total, weight = total + 0.8 ** k * kl.mean(), weight + 0.8 ** k
+    want = total / weight
+    assert float(got) == pytest.approx(float(want), rel=1e-5)
+    for p in (net.fc.weight, net.lm_head.weight):
+        assert torch.allclose(torch.autograd.grad(got, p, retain_graph=True)[0],
+                              torch.autograd.grad(want, p, retain_graph=True)[0], rtol=1e-4, atol=1e-7)
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A tiny target (a folder with a tokenizer) and an EAGLE head `speculant train` trained on its

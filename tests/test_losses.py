@@ -23,3 +23,20 @@ def test_head_kl_matches_kl_div_and_its_gradients(chunk):
     assert float(got) == pytest.approx(float(want), rel=1e-5)
     for a, b in zip(torch.autograd.grad(3.0 * got, (x, weight)), torch.autograd.grad(3.0 * want, (x, weight))):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_head_kl_under_bf16_autocast_matches_the_float32_loss():
+    """Under CPU autocast the matmuls run in bf16 (the loss and gradients keep their dtypes)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(20, 16, generator=g, requires_grad=True)
+    weight = torch.randn(40, 16, generator=g, requires_grad=True)
+    final, rows, w = torch.randn(20, 8, generator=g), torch.randn(40, 8, generator=g), torch.rand(20, generator=g)
+    with torch.autocast("cpu", torch.bfloat16):
+        got = head_kl(x, weight, final, rows, w, chunk=7)
+    want = head_kl(x, weight, final, rows, w)
+    assert got.dtype == torch.float32 and float(got) == pytest.approx(float(want), rel=0.05)
+    gx, gw = torch.autograd.grad(got, (x, weight))
+    assert gx.dtype == gw.dtype == torch.float32
+    wx, ww = torch.autograd.grad(want, (x, weight))
+    assert torch.allclose(gx, wx, atol=0.05 * float(wx.abs().max()))
+    assert torch.allclose(gw, ww, atol=0.05 * float(ww.abs().max()))

@@ -204,12 +204,15 @@ class EagleTrainer:
         weight = sum(self.decay ** k * (c > 0) for k, c in enumerate(counts))
         some = weight > 0
         share = some / weight.clamp_min(1e-12) / some.sum()  # each sequence's part of the mean
-        total = torch.zeros((), device=ids.device)
+        states, targets, weights = [], [], []
         for k, normed in enumerate(self._run_batch(ids, aux, self.steps, own_tokens=False)):
             b, i = live[k].nonzero(as_tuple=True)  # step k's row i is judged on the target at i + 1 + k
-            w = (self.decay ** k * share / counts[k].clamp_min(1))[b]
-            total = total + head_kl(normed[b, i], self.net.lm_head.weight, final[b, i + 1 + k], self.target_rows, w)
-        return total, int((last - first).clamp_min(0).sum())
+            states.append(normed[b, i])
+            targets.append(final[b, i + 1 + k])
+            weights.append((self.decay ** k * share / counts[k].clamp_min(1))[b])
+        loss = head_kl(torch.cat(states), self.net.lm_head.weight, torch.cat(targets), self.target_rows,
+                       torch.cat(weights))  # one call for every step: one gradient of the LM head held
+        return loss, int((last - first).clamp_min(0).sum())
 
     @torch.no_grad()
     def evaluate(self, features, rng: random.Random) -> dict:

@@ -12,9 +12,10 @@ from __future__ import annotations
 import torch
 
 # rows at a time: on a CPU a chunk's float32 logits over an 8k draft vocabulary stay in cache (64-512
-# measured alike, 754 -> ~1200 tokens/s of training against the plain loss); a GPU wants few, large kernels
+# measured alike, 754 -> ~1200 tokens/s of training against the plain loss); a GPU wants few, large
+# kernels: chunks of ~256 MB of float32 logits (8k rows over an 8k vocabulary, 512 over 128k)
 CHUNK = 128
-GPU_CHUNK = 4096
+GPU_CHUNK_ELEMENTS = 1 << 26
 
 
 class _HeadKL(torch.autograd.Function):
@@ -32,7 +33,7 @@ class _HeadKL(torch.autograd.Function):
             target_logp = (final[s : s + chunk].to(dtype) @ t_head.T).float().log_softmax(-1)
             p = target_logp.exp()
             logq = z.sub_(z.logsumexp(-1, keepdim=True))
-            total += (w * (p * (target_logp - logq)).sum(-1, keepdim=True)).sum()
+            total += (w * target_logp.sub_(logq).mul_(p).sum(-1, keepdim=True)).sum()  # in place: 3 temporaries
             g = logq.exp_().sub_(p).mul_(w).to(dtype)  # ∂KL/∂z = softmax(z) − p, times the row's weight
             grad_x[s : s + chunk] = g @ w_head
             grad_w += (g.T @ xc).float()
@@ -50,5 +51,5 @@ def head_kl(x: torch.Tensor, weight: torch.Tensor, final: torch.Tensor, target_r
     """Σ_r row_weights[r] · KL(softmax(final[r] target_rowsᵀ) ‖ softmax(x[r] weightᵀ)) for x [R, H]
     (the drafter's normed states), weight [V, H] (its LM head), final [R, Ht] and target_rows [V, Ht]
     (the target's, no gradient): a scalar with gradients for x and weight."""
-    chunk = chunk or (CHUNK if x.device.type == "cpu" else GPU_CHUNK)
+    chunk = chunk or (CHUNK if x.device.type == "cpu" else max(256, GPU_CHUNK_ELEMENTS // weight.shape[0]))
     return _HeadKL.apply(x, weight, final, target_rows.detach(), row_weights.detach(), chunk)

@@ -141,7 +141,8 @@ class Progress:
             print(f"speculant train: {name} {done if done is not None else ''} {info}", file=sys.stderr, flush=True)
 
     def note(self, line: str):
-        """A line worth keeping (a checkpoint), printed even with --no-progress; a bar shows it itself."""
+        """A line worth keeping (a checkpoint), printed even with --no-progress (a bar shows its loss
+        and τ already)."""
         if self.bar is None:
             print(f"speculant train: {line}", file=sys.stderr, flush=True)
 
