@@ -259,7 +259,6 @@ def train(a) -> None:
         # the trainer's LM-head rows follow the draft vocabulary, which the loaded head replaced
         trainer = EagleTrainer(net, model.get_input_embeddings(), model.get_output_embeddings(), s.ttt_steps)
     net.float()
-    trainer.target_rows = trainer.target_rows.float()
     opt = torch.optim.AdamW(net.parameters(), lr=a.lr, weight_decay=0.0, betas=(0.9, 0.95))
     per_epoch = math.ceil(len(trainset) / a.batch)
     total, step, curve, log = a.steps or int(a.epochs * per_epoch), 0, [], {"evals": []}

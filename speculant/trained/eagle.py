@@ -148,13 +148,14 @@ class EagleTrainer:
     def _run(self, f, steps: int, own_tokens: bool):
         """Per step k: draft logits [n, Vd] of every row of one sequence (row i: prediction of token i+2+k)."""
         dev = self.net.fc.weight.device
-        states = self._run_batch(f.ids[None].to(dev), f.hidden[None].to(dev), steps, own_tokens)
-        return [self.net.lm_head(x[0]).float() for x in states]
+        steps_out = self._run_batch(f.ids[None].to(dev), f.hidden[None].to(dev), steps, own_tokens)
+        return [(logits if logits is not None else self.net.lm_head(normed).float())[0] for normed, logits in steps_out]
 
     def _run_batch(self, ids: torch.Tensor, aux: torch.Tensor, steps: int, own_tokens: bool):
         """``ids`` [B, T] (right-padded: causal attention keeps padding out of every real row), the
         tapped target states ``aux`` [B, T, taps, Ht] -> per step k, the drafter's normed states
-        [B, n, H] that its LM head reads, n = T - 1."""
+        [B, n, H] that its LM head reads, n = T - 1, and with ``own_tokens`` the draft logits
+        [B, n, Vd] its guesses were read from (else None: training judges the states in head_kl)."""
         net = self.net
         B, n = ids.shape[0], ids.shape[1] - 1
         hidden = net.features(aux[:, :-1])  # [B, n, H]
@@ -176,9 +177,10 @@ class EagleTrainer:
             mask = torch.cat([causal] + [own] * k, 1)[None, None]
             hidden, normed = net.step(self.embed(tokens), hidden, positions + k, [joined(i) for i in
                                                                                 range(len(net.layers))], mask)
-            out.append(normed)
+            logits = net.lm_head(normed).float() if own_tokens else None
+            out.append((normed, logits))
             if own_tokens:  # evaluation: feed its own guesses, as drafting does
-                tokens = net.target_ids(net.lm_head(normed).argmax(-1))
+                tokens = net.target_ids(logits.argmax(-1))
             else:  # training: the text's next tokens (row i: token i+2+k), past the end a filler
                 tokens = torch.cat([ids[:, 2 + k :], ids.new_zeros(B, k + 1)], 1)
         return out
@@ -205,7 +207,7 @@ class EagleTrainer:
         some = weight > 0
         share = some / weight.clamp_min(1e-12) / some.sum()  # each sequence's part of the mean
         states, targets, weights = [], [], []
-        for k, normed in enumerate(self._run_batch(ids, aux, self.steps, own_tokens=False)):
+        for k, (normed, _) in enumerate(self._run_batch(ids, aux, self.steps, own_tokens=False)):
             b, i = live[k].nonzero(as_tuple=True)  # step k's row i is judged on the target at i + 1 + k
             states.append(normed[b, i])
             targets.append(final[b, i + 1 + k])

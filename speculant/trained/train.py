@@ -488,6 +488,7 @@ def run_train(s: TrainSettings, progress_bar: bool = True, log=print) -> dict:
         opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=0.0, betas=(0.9, 0.95))
         total = s.steps or max(1, math.ceil(s.epochs * len(train) / s.batch))
         step, ckpt = 0, work / f"checkpoint-{s.kind}.pt"
+        amp = mixed_precision(s.device, s.dtype)  # one autocast context, entered for each forward
         if s.resume and ckpt.is_file():
             state = torch.load(ckpt, weights_only=False)
             if state["config"] == cfg:
@@ -511,7 +512,7 @@ def run_train(s: TrainSettings, progress_bar: bool = True, log=print) -> dict:
                 opt.zero_grad()
                 losses = []
                 for i in order[start : start + s.batch]:
-                    with mixed_precision(s.device, s.dtype):
+                    with amp:
                         loss, n = trainer.loss(train[i], rng)
                     if loss is not None:
                         (loss / s.batch).backward()
@@ -524,13 +525,13 @@ def run_train(s: TrainSettings, progress_bar: bool = True, log=print) -> dict:
                 rate = seen_tokens / max(1e-9, time.time() - t_train)
                 info = f"loss {sum(losses) / max(1, len(losses)):.3f}, {rate:.0f} tok/s"
                 if step % s.checkpoint_every == 0 or step == total:
-                    with mixed_precision(s.device, s.dtype):
+                    with amp:
                         metrics = trainer.evaluate(held, random.Random(1))
                     info += f", held-out τ {metrics['tau']:.2f}"
                     torch.save({"config": cfg, "net": net.state_dict(), "opt": opt.state_dict(), "step": step}, ckpt)
                     progress.note(f"step {step}/{total}: {info}; checkpoint {ckpt}")
                 progress.advance("training (steps)", 1, info, done=step)
-        with mixed_precision(s.device, s.dtype):
+        with amp:
             metrics = trainer.evaluate(held, random.Random(1))
     finally:
         progress.close()
