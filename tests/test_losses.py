@@ -54,3 +54,17 @@ def test_training_autocasts_to_bf16_only_where_features_are_bf16(monkeypatch, na
         assert (x @ x.T).dtype == (torch.bfloat16 if native else torch.float32)
     with mixed_precision("cpu", "float32"):
         assert (x @ x.T).dtype == torch.float32
+
+
+def test_head_kl_without_gradients_gives_the_same_loss():
+    """Under no_grad (a held-out loss) only the forward runs: the same value, nothing to backpropagate."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(20, 16, generator=g, requires_grad=True)
+    weight = torch.randn(40, 16, generator=g, requires_grad=True)
+    final, rows, w = torch.randn(20, 8, generator=g), torch.randn(40, 8, generator=g), torch.rand(20, generator=g)
+    want = head_kl(x, weight, final, rows, w, chunk=7)
+    with torch.no_grad():
+        got = head_kl(x, weight, final, rows, w, chunk=7)
+    assert not got.requires_grad and float(got) == pytest.approx(float(want), rel=1e-6)
+    frozen = head_kl(x.detach(), weight.detach(), final, rows, w, chunk=7)
+    assert not frozen.requires_grad and float(frozen) == pytest.approx(float(want), rel=1e-6)

@@ -20,13 +20,14 @@ GPU_CHUNK_ELEMENTS = 1 << 26
 
 class _HeadKL(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, final, target_rows, row_weights, chunk):
+    def forward(ctx, x, weight, final, target_rows, row_weights, chunk, grads):
         dev = x.device.type  # matmuls in autocast's dtype where it is on, cast once rather than per chunk
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         w_head, t_head = weight.to(dtype), target_rows.to(dtype)
         total = torch.zeros((), dtype=torch.float32, device=x.device)
-        grad_x = torch.empty_like(x)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
+        if grads:
+            grad_x = torch.empty_like(x)
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
         for s in range(0, x.shape[0], chunk):
             xc, w = x[s : s + chunk].to(dtype), row_weights[s : s + chunk, None].float()
             z = (xc @ w_head.T).float()
@@ -34,22 +35,27 @@ class _HeadKL(torch.autograd.Function):
             p = target_logp.exp()
             logq = z.sub_(z.logsumexp(-1, keepdim=True))
             total += (w * target_logp.sub_(logq).mul_(p).sum(-1, keepdim=True)).sum()  # in place: 3 temporaries
+            if not grads:
+                continue
             g = logq.exp_().sub_(p).mul_(w).to(dtype)  # ∂KL/∂z = softmax(z) − p, times the row's weight
             grad_x[s : s + chunk] = g @ w_head
             grad_w += (g.T @ xc).float()
-        ctx.save_for_backward(grad_x, grad_w.to(weight.dtype))
+        if grads:
+            ctx.save_for_backward(grad_x, grad_w.to(weight.dtype))
         return total
 
     @staticmethod
     def backward(ctx, grad):
         grad_x, grad_w = ctx.saved_tensors
-        return grad_x * grad.to(grad_x.dtype), grad_w * grad.to(grad_w.dtype), None, None, None, None
+        return grad_x * grad.to(grad_x.dtype), grad_w * grad.to(grad_w.dtype), None, None, None, None, None
 
 
 def head_kl(x: torch.Tensor, weight: torch.Tensor, final: torch.Tensor, target_rows: torch.Tensor,
             row_weights: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
     """Σ_r row_weights[r] · KL(softmax(final[r] target_rowsᵀ) ‖ softmax(x[r] weightᵀ)) for x [R, H]
     (the drafter's normed states), weight [V, H] (its LM head), final [R, Ht] and target_rows [V, Ht]
-    (the target's, no gradient): a scalar with gradients for x and weight."""
+    (the target's, no gradient): a scalar with gradients for x and weight (none are computed under
+    ``torch.no_grad()`` or when neither needs one: a held-out loss costs the forward only)."""
     chunk = chunk or (CHUNK if x.device.type == "cpu" else max(256, GPU_CHUNK_ELEMENTS // weight.shape[0]))
-    return _HeadKL.apply(x, weight, final, target_rows.detach(), row_weights.detach(), chunk)
+    grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return _HeadKL.apply(x, weight, final, target_rows.detach(), row_weights.detach(), chunk, grads)
