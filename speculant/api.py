@@ -295,7 +295,7 @@ def load(target: str = "default", drafter: str | Drafter | None = None, gamma: i
     the trained drafter shipped for the target, if one ships, else "ngram").
 
     dtype: "auto" (default): bfloat16 on CUDA; on a CPU the dtype and path that measure fastest on
-    this machine among the exact ones (models/cpu_choice.py: measured once, cached).
+    this machine with this drafter among the exact ones (models/cpu_choice.py: measured once, cached).
     path: "auto" (the static-cache fast path where the architecture has one), "fast" or "general".
     compile: torch.compile the fast path's forward (worth it for long runs; compiling takes a while).
     device_map: "auto" spreads a target too big for one GPU over the GPUs with accelerate (the
@@ -310,7 +310,8 @@ def load(target: str = "default", drafter: str | Drafter | None = None, gamma: i
     dev = resolve_device(device)
     choice = None
     if dev.type == "cpu" and dtype in (None, "", "auto") and device_map is None:
-        choice = choose_cpu_dtype(target)
+        # timed with the drafter that will run (an object given here cannot be rebuilt per dtype: plain decoding)
+        choice = choose_cpu_dtype(target, drafter if drafter is None or isinstance(drafter, str) else "none")
         dtype = choice.dtype
     tgt = load_model(target, device=dev, dtype=dtype, device_map=device_map)
     d = make_drafter(drafter if drafter is not None else default_drafter(tgt), tgt)

@@ -23,7 +23,7 @@ def test_measured_once_then_cached(folder, monkeypatch, capsys):
     assert choice.path == "fast"  # a Llama: the fast path
     assert "measuring which dtype" in capsys.readouterr().err
 
-    def no_measuring(spec, rounds=2):
+    def no_measuring(spec, drafter="none", rounds=2, announce=None):
         raise AssertionError("measured again: the cache was not used")
 
     monkeypatch.setattr(cpu_choice, "measure", no_measuring)
@@ -55,3 +55,15 @@ def test_cli_dtype_auto_and_a_bad_dtype(folder, capsys):
     assert main(["generate", "w5 w6 w7", "--target", folder, "--dtype", "float64"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "unknown dtype 'float64'" in err
+
+
+def test_measured_with_the_drafter_that_will_run_and_a_bad_one_fails_in_one_line(folder, capsys):
+    first = cpu_choice.choose(folder, "ngram")
+    assert not first.cached and "drafter ngram" in capsys.readouterr().err
+    assert cpu_choice.choose(folder, "ngram").cached
+    assert not cpu_choice.choose(folder, "none").cached  # another drafter: measured anew
+    capsys.readouterr()
+    # a drafter that cannot be built fails before any measuring, with its own one line
+    assert main(["generate", "w5 w6 w7", "--target", folder, "--drafter", "layerskip:1-5:2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "layers to skip" in err

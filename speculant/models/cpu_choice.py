@@ -1,16 +1,21 @@
-"""``dtype="auto"`` on a CPU: the dtype (and path) that decodes fastest on this machine, among those
-that keep speculant's exactness promise, measured once and cached.
+"""``dtype="auto"`` on a CPU: the dtype (and path) that generates fastest on this machine with the
+drafter that will run, among those that keep speculant's exactness promise, measured once and cached.
 
 Candidates, each on the fast path where the architecture has one (else the general path), uncompiled:
 - float32: greedy output token-identical to HF ``generate`` in float32;
 - bfloat16: plain decoding bit-identical to HF ``generate`` in bfloat16 (speculative output may
   leave it at near-ties: a verify block rounds otherwise than one-token steps).
 
-Which wins depends on the CPU: with oneDNN bf16 (AVX-512) bf16 streams half the bytes at full speed;
-on AVX2-only CPUs bf16 decoding is fast (PyTorch's bf16 GEMV) but a bf16 prefill runs row by row,
-so the measurement times a whole short request: a 48-token prompt and 32 new tokens.
-The result is cached per machine (CPU model, ISA, torch version, threads, kernel choice) and model
-in ``$SPECULANT_CACHE/cpu-choice.json``; delete the file (or pass a dtype) to choose again.
+Which wins depends on the CPU and on the drafter. With oneDNN bf16 (AVX-512) bf16 streams half the
+bytes at full speed, one-token steps and verify blocks alike. On AVX2-only CPUs bf16 one-token steps
+are fast (PyTorch's bf16 GEMV) but verify blocks run on float32 copies of the weights (see
+cpu_kernels) and the prefill, HF's own bf16 matmuls, runs a row at a time, so plain decoding of a
+short prompt favours bf16 while speculative decoding and long prompts favour float32 (measured
+on a 2-core AMD EPYC: float32 with the default drafter 14.9 tokens/s, bfloat16 12.7, plain bf16 12.2).
+So the measurement times what will run: a real request of ~200 prompt tokens (the target's chat
+template where it has one) with the drafter asked for, γ auto, each dtype warmed up first (the engine learns its costs).
+The result is cached per machine (CPU model, ISA, torch version, threads, kernel choice), model and
+drafter in ``$SPECULANT_CACHE/cpu-choice.json``; delete the file (or pass a dtype) to choose again.
 """
 from __future__ import annotations
 
@@ -29,7 +34,21 @@ from . import cpu_kernels
 from .loading import _LOADED, cache_dir, load_model, resolve_model_path
 
 CANDIDATES = ("float32", "bfloat16")
-PROMPT_TOKENS, NEW_TOKENS = 48, 32
+# a request of the usual shape: some context (its prefill counts: on AVX2 a bf16 prefill costs ~6x a
+# float32 one, 12 against 2 ms a token for the default model) and a question about it
+PROMPT = (
+    "Read this note and answer the question after it.\n\n"
+    "A bicycle's drivetrain links the pedals to the rear wheel through a chain that runs over a front "
+    "chainring and one of several rear sprockets. The rider changes gear with a derailleur, which pushes "
+    "the chain sideways onto a larger or smaller sprocket. A small chainring with a large sprocket is a "
+    "low gear: every turn of the pedals turns the wheel less than once, so each stroke needs less force "
+    "but moves the bicycle a shorter distance. A large chainring with a small sprocket is a high gear, "
+    "for speed on flat roads and descents. Cadence, the number of pedal turns a minute, stays "
+    "comfortable when the rider shifts before a climb rather than halfway up it, because shifting under "
+    "heavy load strains the chain and can make it slip.\n\n"
+    "Question: why does a low gear make riding uphill easier, and when should a rider shift?"
+)
+NEW_TOKENS = 40
 
 
 @dataclass
@@ -75,19 +94,28 @@ def _read_cache() -> dict:
         return {}
 
 
-def choose(spec: str, log=None) -> Choice:
-    """The cached choice for this machine and model, or a new measurement (a few seconds, once)."""
-    key = hashlib.sha256(f"{machine_key()}||{_model_key(spec)}".encode()).hexdigest()[:20]
+def choose(spec: str, drafter: str | None = "none", log=None) -> Choice:
+    """The cached choice for this machine, model and drafter (a spec string; None: the target's
+    default drafter), or a new measurement (seconds, once)."""
+    drafter_key = "default" if drafter is None else str(drafter)
+    key = hashlib.sha256(f"{machine_key()}||{_model_key(spec)}||{drafter_key}".encode()).hexdigest()[:20]
     entry = _read_cache().get(key)
     if entry and entry.get("dtype") in CANDIDATES:
         return Choice(entry["dtype"], entry["path"], entry["ms_per_token"], cached=True)
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    log("speculant: measuring which dtype decodes fastest on this CPU (once for this machine and model)")
-    choice = measure(spec)
-    log(f"speculant: {choice.describe()}; cached in {_cache_file()}")
+    measured = []
+
+    def announce():
+        measured.append(True)
+        log(f"speculant: measuring which dtype generates fastest on this CPU with drafter {drafter_key} "
+            "(once for this machine, model and drafter)")
+
+    choice = measure(spec, drafter, announce=announce)
+    if measured:
+        log(f"speculant: {choice.describe()}; cached in {_cache_file()}")
     data = _read_cache()
     data[key] = {"dtype": choice.dtype, "path": choice.path, "ms_per_token": choice.ms_per_token,
-                 "machine": machine_key(), "model": str(spec)}
+                 "machine": machine_key(), "model": str(spec), "drafter": drafter_key}
     _cache_file().parent.mkdir(parents=True, exist_ok=True)
     tmp = _cache_file().with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1))
@@ -95,26 +123,26 @@ def choose(spec: str, log=None) -> Choice:
     return choice
 
 
-def measure(spec: str, rounds: int = 2) -> Choice:
-    """Time a short request with each candidate dtype, interleaved, and keep the fastest."""
-    from ..drafters import NoDrafter
-    from ..engine import Engine, Request
-    from ..sampling import SamplingParams
-    from .backend import Backend
+def measure(spec: str, drafter: str | None = "none", rounds: int = 2, announce=lambda: None) -> Choice:
+    """Time a short greedy request with each candidate dtype and the drafter, interleaved, and keep
+    the fastest (ms per new token, prefill included). ``announce`` is called once both are loaded (a
+    bad drafter spec has failed by then, with its own one-line error and nothing else)."""
+    from ..api import Generator
+    from ..drafters import default_drafter, make_drafter
 
     runs, path = {}, best_path(spec)
     for dtype in CANDIDATES:
         lm = load_model(spec, device="cpu", dtype=dtype)
-        engine = Engine(lm.model, NoDrafter(), set(), lm.context_length, Backend(lm.model, path, quiet=True))
-        g = torch.Generator().manual_seed(0)
-        prompt = torch.randint(0, lm.vocab_size, (PROMPT_TOKENS,), generator=g).tolist()
-        runs[dtype] = lambda e=engine, p=prompt: _request(e, Request([p], SamplingParams(), NEW_TOKENS, 0))
+        gen = Generator(lm, make_drafter(default_drafter(lm) if drafter is None else drafter, lm), None, path)
+        prompt = gen.encode(PROMPT)
+        runs[dtype] = lambda g=gen, p=prompt: _request(g, p)
+    announce()
     best = {dtype: float("inf") for dtype in CANDIDATES}
-    for dtype in CANDIDATES:  # warm-up (allocator, oneDNN primitives)
+    for dtype in CANDIDATES:  # warm-up: allocator, oneDNN primitives, the engine's cost model
         runs[dtype]()
     for _ in range(rounds):
         for dtype in CANDIDATES:
-            best[dtype] = min(best[dtype], runs[dtype]() / NEW_TOKENS * 1e3)
+            best[dtype] = min(best[dtype], runs[dtype]())
     winner = min(best, key=best.get)
     for key in [k for k in _LOADED if k[2] != getattr(torch, winner) and k[1] == "cpu"]:
         if key[0] == str(_folder_of(spec)):
@@ -135,9 +163,8 @@ def _folder_of(spec: str) -> Path:
     return resolve_model_folder(spec)[0].resolve()
 
 
-def _request(engine, req) -> float:
+def _request(gen, prompt: list[int]) -> float:
+    """Milliseconds per new token of one greedy request."""
     t = time.perf_counter()
-    it = engine.run(req)
-    for _ in it:
-        pass
-    return time.perf_counter() - t
+    out = gen.generate_ids([prompt], max_new_tokens=NEW_TOKENS)[0]
+    return (time.perf_counter() - t) / max(1, len(out.token_ids)) * 1e3
