@@ -13,7 +13,8 @@ cpu_kernels) and the prefill, HF's own bf16 matmuls, runs a row at a time, so pl
 short prompt favours bf16 while speculative decoding and long prompts favour float32 (measured
 on a 2-core AMD EPYC: float32 with the default drafter 14.9 tokens/s, bfloat16 12.7, plain bf16 12.2).
 So the measurement times what will run: a real request of ~200 prompt tokens (the target's chat
-template where it has one) with the drafter asked for, γ auto, each dtype warmed up first (the engine learns its costs).
+template where it has one) with the drafter asked for, γ auto, each dtype warmed up first (the
+engine learns its costs then).
 The result is cached per machine (CPU model, ISA, torch version, threads, kernel choice), model and
 drafter in ``$SPECULANT_CACHE/cpu-choice.json``; delete the file (or pass a dtype) to choose again.
 """
@@ -124,7 +125,7 @@ def choose(spec: str, drafter: str | None = "none", log=None) -> Choice:
 
 
 def measure(spec: str, drafter: str | None = "none", rounds: int = 2, announce=lambda: None) -> Choice:
-    """Time a short greedy request with each candidate dtype and the drafter, interleaved, and keep
+    """Time a greedy request (``PROMPT``) with each candidate dtype and the drafter, interleaved, and keep
     the fastest (ms per new token, prefill included). ``announce`` is called once both are loaded (a
     bad drafter spec has failed by then, with its own one-line error and nothing else)."""
     from ..api import Generator
@@ -134,7 +135,7 @@ def measure(spec: str, drafter: str | None = "none", rounds: int = 2, announce=l
     for dtype in CANDIDATES:
         lm = load_model(spec, device="cpu", dtype=dtype)
         gen = Generator(lm, make_drafter(default_drafter(lm) if drafter is None else drafter, lm), None, path)
-        prompt = gen.encode(PROMPT)
+        prompt = gen.encode(PROMPT)[-max(8, lm.context_length - NEW_TOKENS - 1):]  # fits a short context
         runs[dtype] = lambda g=gen, p=prompt: _request(g, p)
     announce()
     best = {dtype: float("inf") for dtype in CANDIDATES}
