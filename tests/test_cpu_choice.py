@@ -38,7 +38,8 @@ def test_measured_once_then_cached(folder, monkeypatch, capsys):
 
 def test_load_with_auto_dtype_reports_the_choice_and_stays_exact(folder):
     gen = speculant.load(folder, drafter="ngram", gamma=3, device="cpu")
-    choice = cpu_choice.choose(folder)
+    choice = cpu_choice.choose(folder, "ngram")
+    assert choice.cached  # load measured with the drafter it runs
     assert str(gen.target.model.dtype) == f"torch.{choice.dtype}"
     ids = gen.tokenizer("w5 w6 w7 w5 w6 w7 w5 w6")["input_ids"]
     out = gen.generate_ids([ids], max_new_tokens=16)[0]
