@@ -24,7 +24,7 @@ def _no_dtype_measurement(request, monkeypatch):
         return
     from speculant.models import cpu_choice
 
-    def pinned(spec, drafter="none", rounds=2, announce=None):
+    def pinned(spec, drafter="none", rounds=2, log=None):
         return cpu_choice.Choice("float32", cpu_choice.best_path(spec), {"float32": 0.0})
 
     monkeypatch.setattr(cpu_choice, "measure", pinned)

@@ -23,7 +23,7 @@ def test_measured_once_then_cached(folder, monkeypatch, capsys):
     assert choice.path == "fast"  # a Llama: the fast path
     assert "measuring which dtype" in capsys.readouterr().err
 
-    def no_measuring(spec, drafter="none", rounds=2, announce=None):
+    def no_measuring(spec, drafter="none", rounds=2, log=None):
         raise AssertionError("measured again: the cache was not used")
 
     monkeypatch.setattr(cpu_choice, "measure", no_measuring)

@@ -78,6 +78,10 @@ def machine_key() -> str:
                      os.environ.get(cpu_kernels.ENV, "auto")])
 
 
+def _drafter_key(drafter: str | None) -> str:
+    return "default" if drafter is None else str(drafter)
+
+
 def _model_key(spec: str) -> str:
     path = resolve_model_path(spec).resolve()
     st = path.stat() if path.is_file() else (path / "config.json").stat()
@@ -98,25 +102,15 @@ def _read_cache() -> dict:
 def choose(spec: str, drafter: str | None = "none", log=None) -> Choice:
     """The cached choice for this machine, model and drafter (a spec string; None: the target's
     default drafter), or a new measurement (seconds, once)."""
-    drafter_key = "default" if drafter is None else str(drafter)
-    key = hashlib.sha256(f"{machine_key()}||{_model_key(spec)}||{drafter_key}".encode()).hexdigest()[:20]
+    raw = f"{machine_key()}||{_model_key(spec)}||{_drafter_key(drafter)}"
+    key = hashlib.sha256(raw.encode()).hexdigest()[:20]
     entry = _read_cache().get(key)
     if entry and entry.get("dtype") in CANDIDATES:
         return Choice(entry["dtype"], entry["path"], entry["ms_per_token"], cached=True)
-    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    measured = []
-
-    def announce():
-        measured.append(True)
-        log(f"speculant: measuring which dtype generates fastest on this CPU with drafter {drafter_key} "
-            "(once for this machine, model and drafter)")
-
-    choice = measure(spec, drafter, announce=announce)
-    if measured:
-        log(f"speculant: {choice.describe()}; cached in {_cache_file()}")
+    choice = measure(spec, drafter, log=log or (lambda msg: print(msg, file=sys.stderr, flush=True)))
     data = _read_cache()
     data[key] = {"dtype": choice.dtype, "path": choice.path, "ms_per_token": choice.ms_per_token,
-                 "machine": machine_key(), "model": str(spec), "drafter": drafter_key}
+                 "machine": machine_key(), "model": str(spec), "drafter": _drafter_key(drafter)}
     _cache_file().parent.mkdir(parents=True, exist_ok=True)
     tmp = _cache_file().with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1))
@@ -124,10 +118,10 @@ def choose(spec: str, drafter: str | None = "none", log=None) -> Choice:
     return choice
 
 
-def measure(spec: str, drafter: str | None = "none", rounds: int = 2, announce=lambda: None) -> Choice:
+def measure(spec: str, drafter: str | None = "none", rounds: int = 2, log=lambda msg: None) -> Choice:
     """Time a greedy request (``PROMPT``) with each candidate dtype and the drafter, interleaved, and keep
-    the fastest (ms per new token, prefill included). ``announce`` is called once both are loaded (a
-    bad drafter spec has failed by then, with its own one-line error and nothing else)."""
+    the fastest (ms per new token, prefill included). ``log`` hears of the measuring only once both
+    are loaded: a bad drafter spec has failed by then, with its own one-line error and nothing else."""
     from ..api import Generator
     from ..drafters import default_drafter, make_drafter
 
@@ -137,7 +131,8 @@ def measure(spec: str, drafter: str | None = "none", rounds: int = 2, announce=l
         gen = Generator(lm, make_drafter(default_drafter(lm) if drafter is None else drafter, lm), None, path)
         prompt = gen.encode(PROMPT)[-max(8, lm.context_length - NEW_TOKENS - 1):]  # fits a short context
         runs[dtype] = lambda g=gen, p=prompt: _request(g, p)
-    announce()
+    log(f"speculant: measuring which dtype generates fastest on this CPU with drafter {_drafter_key(drafter)} "
+        f"(once for this machine, model and drafter; cached in {_cache_file()})")
     best = {dtype: float("inf") for dtype in CANDIDATES}
     for dtype in CANDIDATES:  # warm-up: allocator, oneDNN primitives, the engine's cost model
         runs[dtype]()
@@ -148,7 +143,9 @@ def measure(spec: str, drafter: str | None = "none", rounds: int = 2, announce=l
     for key in [k for k in _LOADED if k[2] != getattr(torch, winner) and k[1] == "cpu"]:
         if key[0] == str(_folder_of(spec)):
             del _LOADED[key]  # the loser's weights are not kept
-    return Choice(winner, path, {d: round(ms, 2) for d, ms in best.items()})
+    choice = Choice(winner, path, {d: round(ms, 2) for d, ms in best.items()})
+    log(f"speculant: {choice.describe()}")
+    return choice
 
 
 def best_path(spec: str) -> str:
