@@ -212,6 +212,35 @@ def test_training_lowers_the_loss_and_writes_a_loadable_folder(tmp_path):
     assert out.token_ids == hf_greedy(gen.target.model, ids, 12)[: len(out.token_ids)]
 
 
+def test_the_feature_cache_builds_what_is_asked_and_grows_by_shards(tmp_path):
+    """--max-tokens bounds what is built (a shard closes once it holds what is still asked for, not
+    at a fixed count of records), a later run asking more adds shards after the records already
+    used, and one asking less takes a prefix."""
+    from speculant.models.loading import load_model
+    from speculant.trained.train import Progress, TrainSettings, build_features, load_features
+
+    target = load_model(str(save_tiny_folder(tmp_path / "target", seed=0)))
+    data = _jsonl(tmp_path / "data.jsonl")  # 24 records of ~30 tokens
+
+    def build(max_tokens):
+        s = TrainSettings(target="tiny", data=str(data), out=str(tmp_path / "d"), self_distill=False,
+                          max_tokens=max_tokens)
+        return build_features(s, target, [0, 2], tmp_path / "cache", Progress(False))
+
+    def tokens(shards):
+        return [f.ids.tolist() for f in load_features(shards)]
+
+    small = build(100)
+    assert len(small) == 1 and 100 <= sum(map(len, tokens(small))) < 100 + 40  # was all 24 records: ~720
+    more = build(300)
+    assert more[0] == small[0] and 300 <= sum(map(len, tokens(more))) < 300 + 40
+    seqs = tokens(more)
+    assert len(seqs) == len({tuple(x) for x in seqs})  # no record twice: the second run went on after the first's
+    assert build(100) == small  # a prefix of the cache, nothing rebuilt
+    manifest = json.loads(next((tmp_path / "cache").glob("features-*/features.json")).read_text())
+    assert sum(sh["items"] for sh in manifest["shards"]) == len(seqs)
+
+
 def test_sharegpt_reader_stops_at_the_cut():
     from speculant.trained.data import sharegpt_conversations
 

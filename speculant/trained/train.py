@@ -206,7 +206,13 @@ def build_features(s: TrainSettings, target, taps, work: Path, progress: Progres
         manifest.write_text(json.dumps({"key": key, "shards": shards}))
         progress.advance("features (target tokens)", n, done=tokens)
 
-    pending, skip = [], done_items
+    def size(item) -> int:
+        """The tokens an item gives (a prompt's answer counted whole: it may stop sooner)."""
+        return len(item.ids) if isinstance(item, Example) else len(item) + s.answer_tokens
+
+    # a shard closes at SHARD_ITEMS records or once it holds what is still asked for, so a small
+    # --max-tokens does not build (and train on) a whole shard of long conversations
+    pending, pending_tokens, skip = [], 0, done_items
     for rec in records:
         if tokens >= s.max_tokens:
             break
@@ -217,9 +223,10 @@ def build_features(s: TrainSettings, target, taps, work: Path, progress: Progres
             skip -= 1
             continue
         pending.append(item)
-        if len(pending) == SHARD_ITEMS:
+        pending_tokens += size(item)
+        if len(pending) == SHARD_ITEMS or tokens + pending_tokens >= s.max_tokens:
             save(pending, len(pending))
-            pending = []
+            pending, pending_tokens = [], 0
     if pending and tokens < s.max_tokens:
         save(pending, len(pending))
     exhausted = tokens < s.max_tokens
