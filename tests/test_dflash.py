@@ -255,13 +255,21 @@ def test_sharegpt_reader_stops_at_the_cut():
     ("gpt2", ["--kind", "eagle", "--data", "{data}"], "GPT2LMHeadModel"),
     ("good", ["--kind", "lookahead", "--data", "{data}"], "unknown drafter kind"),
     ("exists", ["--data", "{data}"], "exists: pass --overwrite"),
+    ("foreign", ["--data", "{data}", "--overwrite"], "is not a drafter folder"),  # --overwrite would delete it
+    ("cwd", ["--data", "{data}", "--overwrite"], "the current folder"),
+    ("good", ["--data", "{data}", "--lr", "0"], "--lr must be > 0"),
+    ("good", ["--data", "{data}", "--checkpoint-every", "0"], "--checkpoint-every must be >= 1"),
+    ("good", ["--data", "{data}", "--draft-vocab", "0"], "--draft-vocab must be >= 1"),
 ])
-def test_train_bad_input_is_one_line(tmp_path, capsys, setup, args, message):
+def test_train_bad_input_is_one_line(tmp_path, capsys, monkeypatch, setup, args, message):
     data = tmp_path / "d.jsonl"
     data.write_text({"empty": "\n", "malformed": "{not json\n"}.get(setup, '{"text": "w1 w2 w3"}\n'))
     out = tmp_path / "out"
-    if setup == "exists":
+    if setup in ("exists", "foreign", "cwd"):
         out.mkdir()
+        (out / ("notes.txt" if setup == "foreign" else "config.json")).write_text("{}")
+    if setup == "cwd":
+        monkeypatch.chdir(out)
     target = "default"
     if setup == "gpt2":  # an architecture the drafters' layers cannot copy
         from transformers import GPT2Config, GPT2LMHeadModel
@@ -273,6 +281,24 @@ def test_train_bad_input_is_one_line(tmp_path, capsys, setup, args, message):
     code = main(["train", "--target", target, "--out", str(out), *[a.format(data=data) for a in args]])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and message in err, err
+    assert setup != "foreign" or (out / "notes.txt").is_file()
+
+
+def test_resume_refuses_a_checkpoint_of_another_shape(tmp_path):
+    """--resume with settings the checkpoint's network does not have stops in one line instead of
+    starting over and overwriting that checkpoint."""
+    from speculant.trained.train import TrainSettings, run_train
+
+    target = save_tiny_folder(tmp_path / "target", seed=0)
+    common = dict(kind="eagle", target=str(target), data=str(_jsonl(tmp_path / "data.jsonl")), steps=1,
+                  draft_vocab=96, batch=2, eval_sequences=2, work=str(tmp_path / "work"))
+    run_train(TrainSettings(out=str(tmp_path / "a"), **common), progress_bar=False, log=lambda *a: None)
+    ckpt = tmp_path / "work" / "checkpoint-eagle.pt"
+    before = ckpt.read_bytes()
+    with pytest.raises(SpeculantError, match="differently shaped eagle drafter"):
+        run_train(TrainSettings(out=str(tmp_path / "b"), layers=2, resume=True, **common), progress_bar=False,
+                  log=lambda *a: None)
+    assert ckpt.read_bytes() == before
 
 
 def test_a_drafter_for_another_target_is_refused_naming_both(tmp_path):

@@ -83,6 +83,13 @@ def check_settings(s: TrainSettings) -> None:
         raise SpeculantError(f"output folder '{out}' exists: pass --overwrite to replace it (or --resume)")
     if out.exists() and not out.is_dir():
         raise SpeculantError(f"output path '{out}' is a file, not a folder")
+    if out.resolve() in (Path.cwd(), *Path.cwd().parents):
+        raise SpeculantError(f"--out '{out}' is the current folder or one above it: give the drafter a folder of its own")
+    if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
+        # --overwrite replaces the folder whole: never a folder of other things (`--out .`)
+        raise SpeculantError(f"output folder '{out}' holds files and is not a drafter folder: give a new or a "
+                             "drafter folder to --out (--overwrite replaces the whole folder)")
+    _check_writable(out)
     if s.data != "sharegpt":
         next(jsonl_records(s.data))  # an empty or malformed file fails here
     for name in ("max_tokens", "answer_tokens", "seq_len", "layers", "anchors", "batch", "eval_sequences", "heads",
@@ -95,6 +102,25 @@ def check_settings(s: TrainSettings) -> None:
         raise SpeculantError(f"--steps must be >= 1, got {s.steps}")
     if s.epochs <= 0:
         raise SpeculantError(f"--epochs must be > 0, got {s.epochs}")
+    for name in ("checkpoint_every", "draft_vocab", "conversations"):
+        if getattr(s, name) is not None and getattr(s, name) < 1:
+            raise SpeculantError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(s, name)}")
+    if not s.lr > 0:
+        raise SpeculantError(f"--lr must be > 0, got {s.lr}")
+
+
+def _check_writable(out: Path) -> None:
+    """Fail now, not after training, where the drafter folder cannot be written (it is written beside
+    ``out`` first, then renamed into place)."""
+    import tempfile
+
+    folder = out.resolve().parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        tempfile.TemporaryDirectory(dir=folder).cleanup()
+    except OSError as e:
+        raise SpeculantError(f"cannot write '{out}' ({e.strerror or e}): give --out a writable path") from None
 
 
 def pick_mask_token(tokenizer, vocab: int) -> int:
@@ -498,11 +524,14 @@ def run_train(s: TrainSettings, progress_bar: bool = True, log=print) -> dict:
         amp = mixed_precision(s.device, s.dtype)  # one autocast context, entered for each forward
         if s.resume and ckpt.is_file():
             state = torch.load(ckpt, weights_only=False)
-            if state["config"] == cfg:
-                net.load_state_dict(state["net"])
-                opt.load_state_dict(state["opt"])
-                step = state["step"]
-                log(f"speculant train: resumed at step {step}/{total}")
+            if state["config"] != cfg:  # starting over would overwrite that run's checkpoint
+                raise SpeculantError(f"--resume: the checkpoint {ckpt} is of a differently shaped {s.kind} drafter "
+                                     "(other --layers, --draft-vocab, --taps, ... or target): resume with its "
+                                     "settings, or give another --work folder")
+            net.load_state_dict(state["net"])
+            opt.load_state_dict(state["opt"])
+            step = state["step"]
+            log(f"speculant train: resumed at step {step}/{total} from {ckpt}")
         progress.stage("training (steps)", total)
         if step:
             progress.advance("training (steps)", step)
