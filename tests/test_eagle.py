@@ -294,6 +294,27 @@ def test_refusals_are_one_line(tmp_path, capsys):
     assert code == 2 and err.count("\n") == 1 and "no config.json" in err, err
 
 
+@pytest.mark.parametrize("damage", ["list", "no_layer_config", "layer_config_text", "vocab_text", "weights"])
+def test_a_malformed_folder_is_one_error_naming_it(tmp_path, damage):
+    target = tiny_llama(0, layers=3)
+    folder = _random_eagle_folder(tmp_path, target, draft_vocab=32)
+    cfg = json.loads((folder / "config.json").read_text())
+    if damage == "list":
+        cfg = [1, 2, 3]
+    elif damage == "no_layer_config":
+        del cfg["transformer_layer_config"]
+    elif damage == "layer_config_text":
+        cfg["transformer_layer_config"] = "x"
+    elif damage == "vocab_text":
+        cfg["draft_vocab_size"] = "abc"
+    else:
+        (folder / "model.safetensors").write_text("garbage")
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SpeculantError, match="not an object" if damage == "list" else "is malformed") as e:
+        load_eagle(folder, target, "tiny")
+    assert str(folder) in str(e.value) and "\n" not in str(e.value)
+
+
 def test_stopping_the_tree_early_leaves_the_proposal_unchanged(trained, monkeypatch):
     """Deepening stops once no deeper node could enter the best `gamma`: the proposal is the first
     `gamma` nodes of the whole tree grown to full depth."""

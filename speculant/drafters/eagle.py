@@ -25,14 +25,12 @@ next catch-up: rolling back is moving a length.
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from ..models.cpu_kernels import pack_linears
 from ..models.fast import cat_rows
 from ..trained.eagle import EagleNet
-from ..trained.format import default_taps, load_network
+from ..trained.format import default_taps, load_network, read_config, tensor_names
 from .base import DraftContext, Drafter, Proposal
 
 TOP_K = 8  # children offered per expanded node
@@ -47,10 +45,8 @@ MIN_SCORE = 0.1
 
 
 def load_eagle(folder: str, target: torch.nn.Module, target_name: str, dtype=None) -> "EagleDrafter":
-    from safetensors import safe_open
-
-    with safe_open(str(Path(folder) / "model.safetensors"), "pt") as f:
-        own_embeddings = "embed_tokens.weight" in f.keys()
+    read_config(folder)  # a folder that is not a drafter's fails on its config first
+    own_embeddings = "embed_tokens.weight" in tensor_names(folder, "an EAGLE-3 network")
 
     def build(cfg: dict) -> EagleNet:  # speculators may leave the tapped layers to the target's depth
         taps = cfg.get("eagle_aux_hidden_state_layer_ids") or default_taps(target.config.num_hidden_layers)

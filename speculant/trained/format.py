@@ -7,6 +7,7 @@ drafting garbage (a folder without it is checked on shapes only).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -52,6 +53,9 @@ def read_config(folder: str | Path) -> dict:
         cfg = json.loads((path / "config.json").read_text())
     except ValueError as e:
         raise SpeculantError(f"{path / 'config.json'} is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise SpeculantError(f"{path / 'config.json'} holds a JSON {type(cfg).__name__}, not an object of drafter "
+                             "settings: give a folder `speculant train` or speculators wrote")
     kind = cfg.get("speculators_model_type")
     if kind not in KINDS:
         raise SpeculantError(f"'{folder}' holds a {kind or 'non-speculators'} model; speculant runs trained "
@@ -120,15 +124,39 @@ def load_network(folder, target: torch.nn.Module, target_name: str, build, what:
     """A trained drafter's network from its folder (``build(config)`` makes it), checked against
     the target it runs with, on the target's device and in its dtype (or ``dtype``)."""
     cfg = read_config(folder)
-    check_target(cfg, folder, target, target_name)
-    net = build(cfg)
-    missing, unexpected = net.load_state_dict(load_state(folder), strict=False)
+    with _malformed(folder, what):
+        check_target(cfg, folder, target, target_name)
+        net = build(cfg)
+        missing, unexpected = net.load_state_dict(load_state(folder), strict=False)
     missing = [k for k in missing if k != "inv_freq"]  # a buffer rebuilt from the config
     if missing or unexpected:
         raise SpeculantError(f"drafter '{folder}' does not match {what}: missing {missing[:3]}, "
                              f"unexpected {unexpected[:3]}")
     p = next(target.parameters())
     return net.to(device=p.device, dtype=dtype or p.dtype).eval()
+
+
+@contextlib.contextmanager
+def _malformed(folder, what: str):
+    """A config missing or mistyping a setting, or a damaged weights file: one line naming the folder."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except SpeculantError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError, SafetensorError) as e:
+        raise SpeculantError(f"drafter '{folder}' is not a usable folder of {what}: its config.json or "
+                             f"model.safetensors is malformed ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+                             ) from None
+
+
+def tensor_names(folder: str | Path, what: str) -> set[str]:
+    """The names of the tensors in a drafter folder's weights file."""
+    from safetensors import safe_open
+
+    with _malformed(folder, what), safe_open(str(Path(folder) / "model.safetensors"), "pt") as f:
+        return set(f.keys())
 
 
 def load_state(folder: str | Path) -> dict[str, torch.Tensor]:
