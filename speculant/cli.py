@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("export", help="print (and write) the vLLM --speculative-config for a target and drafter",
                        description="For serving at scale: the vLLM speculative config matching a speculant drafter "
-                                   "(ngram, suffix, dflash:DIR, model:FOLDER), and the vllm serve command.")
+                                   "(ngram, suffix, eagle:DIR, dflash:DIR, model:FOLDER), and the vllm serve command.")
     e.add_argument("--format", default="vllm", choices=["vllm"])
     e.add_argument("--target", default="default")
     e.add_argument("--drafter", required=True)
@@ -330,11 +330,14 @@ def cmd_serve(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from .drafters import validate_drafter_spec
+    from .drafters import HYBRID, validate_drafter_spec
     from .export import export_vllm
 
     validate_drafter_spec(args.drafter)
     cfg, command = export_vllm(args.target, args.drafter, args.gamma, args.out)
+    if args.drafter.endswith(HYBRID):
+        print(f"speculant: vLLM runs {args.drafter[: -len(HYBRID)]} alone: it has no prompt lookup merged into "
+              "its trees", file=sys.stderr)
     print(json.dumps(cfg))
     print(command)
     print(f"speculant: wrote {args.out}", file=sys.stderr)

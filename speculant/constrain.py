@@ -68,5 +68,8 @@ def json_schema_processor(tokenizer, schema: dict | None = None, eos_token_ids=N
         raise SpeculantError("JSON-schema output needs lm-format-enforcer: pip install lm-format-enforcer") from None
     if tokenizer is None:
         raise SpeculantError("JSON-schema output needs the model's tokenizer")
-    enforcer = TokenEnforcer(_tokenizer_data(tokenizer, eos_token_ids), JsonSchemaParser(schema))
+    try:
+        enforcer = TokenEnforcer(_tokenizer_data(tokenizer, eos_token_ids), JsonSchemaParser(schema))
+    except Exception as e:  # lm-format-enforcer raises plain Exceptions for schemas it cannot follow
+        raise SpeculantError(f"unusable JSON schema: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     return allowed_tokens_processor(lambda ids: enforcer.get_allowed_tokens(ids).allowed_tokens)

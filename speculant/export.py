@@ -70,9 +70,14 @@ def export_vllm(target: str, drafter: str, gamma=None, out: str | None = None) -
     """(config, the ``vllm serve`` command line); the config is also written to ``out`` as JSON."""
     from .models.loading import resolve_model_folder
 
-    cfg = vllm_config(drafter, gamma)
+    from .api import check_gamma
+
+    cfg = vllm_config(drafter, None if gamma is None else check_gamma(gamma))
     folder = resolve_model_folder(target)[0] if target else None
     command = f"vllm serve {shlex.quote(str(folder))} --speculative-config {shlex.quote(json.dumps(cfg))}"
     if out:
-        Path(out).write_text(json.dumps(cfg, indent=2) + "\n")
+        try:
+            Path(out).write_text(json.dumps(cfg, indent=2) + "\n")
+        except OSError as e:
+            raise SpeculantError(f"cannot write {out}: {e.strerror or e}; give --out a writable path") from None
     return cfg, command

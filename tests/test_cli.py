@@ -94,6 +94,14 @@ def test_bad_input_is_one_line_and_exit_2(folders, capsys, extra, words):
     assert len(lines) == 1 and lines[0].startswith("speculant: error:") and words in lines[0], err
 
 
+def test_a_schema_the_enforcer_cannot_follow_is_one_line(folders, capsys, tmp_path):
+    pytest.importorskip("lmformatenforcer")
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "objectx"}')
+    code, _, err = run_cli(["generate", PROMPT, "--target", folders["target"], "--json-schema", str(schema)], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "unusable JSON schema" in err, err
+
+
 def test_not_a_model_file(folders, capsys, tmp_path):
     junk = tmp_path / "notes.txt"
     junk.write_text("hello")
@@ -129,7 +137,8 @@ def test_new_drafter_specs_from_the_cli(folders, capsys):
         code, out, err = run_cli(args + ["--drafter", spec], capsys)
         assert code == 0, err
         assert json.loads(out)["token_ids"] == ref
-    for bad in ("cascade:ngram", "cascade:none,model:x", "layerskip:zz", "layerskip:1-5:2"):
+    for bad in ("cascade:ngram", "cascade:none,model:x", "layerskip:zz", "layerskip:1-5:2", "layerskip:5-3:1",
+                "layerskip:2-4:0"):
         code, _, err = run_cli(args + ["--drafter", bad], capsys)
         assert code == 2 and len(err.strip().splitlines()) == 1, (bad, err)
 

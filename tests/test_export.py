@@ -42,3 +42,11 @@ def test_drafters_without_a_vllm_counterpart_are_one_line(drafter, message, caps
     assert main(["export", "--drafter", drafter, "--out", "/dev/null"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err
+
+
+@pytest.mark.parametrize("args,message", [(["--gamma=-1"], "gamma"), (["--gamma", "0"], "gamma"),
+                                          (["--out", "/proc/no/such.json"], "cannot write")])
+def test_a_bad_gamma_or_output_path_is_one_line(args, message, capsys):
+    assert main(["export", "--drafter", "ngram", *(["--out", "/dev/null"] if "--out" not in args else []), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err

@@ -158,6 +158,15 @@ def test_bad_requests_get_openai_error_bodies(served, body, status, param):
         assert param in (err["param"] or "") or param in err["message"]
 
 
+def test_a_schema_the_enforcer_cannot_follow_is_a_400(served):
+    pytest.importorskip("lmformatenforcer")
+    r = httpx.post(served.url + "/v1/chat/completions", timeout=30, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "w1"}],
+        "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objectx"}}}})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "response_format" and "unusable JSON schema" in err["message"]
+
+
 def test_malformed_json_and_unsupported_content(served):
     r = httpx.post(served.url + "/v1/chat/completions", content=b"{not json", timeout=30,
                    headers={"content-type": "application/json"})
@@ -206,6 +215,9 @@ def test_queue_full_is_429_and_timeout_is_408(folder):
 
         codes = [r.status_code for r in asyncio.run(burst())]
         assert 429 in codes and 200 in codes and set(codes) <= {200, 429}, codes
+        # more completions than the queue ever holds: a 400 (a 429 would have the client retry forever)
+        r = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "w1", "max_tokens": 2, "n": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "--max-queue 1" in r.text, r.text
     finally:
         s.close()
     s = Served(_gen(folder, "none"), request_timeout=0.3)

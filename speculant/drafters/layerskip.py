@@ -146,6 +146,12 @@ def validate_layerskip_spec(spec: str) -> None:
         raise SpeculantError(
             f"bad layerskip spec {spec!r}: use layerskip, layerskip:FILE.json, layerskip:A-B:STEP or layerskip:I,J,K"
         )
+    lo, sep, rest = arg.partition("-")
+    if sep:
+        hi, _, step = rest.partition(":")
+        if int(lo) > int(hi) or int(step or 1) < 1:
+            raise SpeculantError(f"layerskip:{arg} skips no layer: A-B:STEP needs A <= B and STEP >= 1 "
+                                 "(e.g. layerskip:10-20:2)")
 
 
 def parse_skip_spec(spec: str, n: int, target_name: str = "") -> tuple[list[int], str]:

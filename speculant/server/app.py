@@ -237,9 +237,7 @@ def create_app(generator, model_name: str = "default", api_key: str | None = Non
         try:
             return json_schema_processor(tok, schema, generator.target.eos_token_ids)
         except SpeculantError as e:
-            raise ApiError(400, str(e), "response_format") from None
-        except Exception as e:
-            raise ApiError(400, f"response_format: unusable JSON schema: {e}", "response_format") from None
+            raise ApiError(400, f"response_format: {e}", "response_format") from None
 
     async def _serve(request: Request, body: Sampling, prompts: list[list[int]], chat: bool, logprobs, max_tokens):
         endpoint = request.url.path
@@ -271,6 +269,9 @@ def create_app(generator, model_name: str = "default", api_key: str | None = Non
                     group)
                 for i, p in enumerate(p for p in prompts for _ in range(body.n))]
         sched, metrics = state["scheduler"], state["metrics"]
+        if len(jobs) > sched.max_queue:  # would never fit: a 429 would have the client retry forever
+            raise ApiError(400, f"{len(jobs)} completions (n x prompts) are more than this server queues at once "
+                                f"(--max-queue {sched.max_queue}): ask for fewer", "n")
         try:
             sched.submit(jobs)
         except QueueFull as e:
