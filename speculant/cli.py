@@ -50,12 +50,20 @@ def sampling_from_args(args) -> dict:
     )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's own errors (a malformed number, a missing argument) as one line like every other
+    error of the CLI, not a usage block; subcommands' parsers are of this class too."""
+
+    def error(self, message):
+        self.exit(2, f"speculant: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .drafters import DRAFTER_HELP
 
     drafter_help = f"{DRAFTER_HELP}; default: the trained drafter shipped for the target (a tree drafter +ngram), else ngram"
 
-    parser = argparse.ArgumentParser(prog="speculant", description="Lossless speculative decoding.")
+    parser = _Parser(prog="speculant", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for one prompt", description="Generate text for PROMPT.")
@@ -311,8 +319,10 @@ def cmd_serve(args) -> int:
 
     if not 0 < args.port < 65536:
         raise SpeculantError(f"--port must be in 1..65535, got {args.port}")
-    if args.max_batch_size < 1 or args.max_queue < 1 or args.request_timeout <= 0:
-        raise SpeculantError("--max-batch-size, --max-queue and --request-timeout must be positive")
+    for name in ("max_batch_size", "max_queue", "request_timeout"):
+        if not getattr(args, name) > 0:
+            raise SpeculantError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    _check_port_free(args.host, args.port)  # before the model loads, not after it
     if args.gamma is not None:
         check_gamma(args.gamma)
     if args.drafter is not None:
@@ -327,6 +337,18 @@ def cmd_serve(args) -> int:
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
                 timeout_keep_alive=30)  # longer than clients keep idle connections (httpx: 5 s)
     return 0
+
+
+def _check_port_free(host: str, port: int) -> None:
+    import os
+    import socket
+
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        socket.create_server((host, port), family=family).close()
+    except OSError as e:
+        why = os.strerror(e.errno) if e.errno else str(e)
+        raise SpeculantError(f"cannot listen on {host}:{port} ({why}): give another --port (or --host)") from None
 
 
 def cmd_export(args) -> int:
@@ -391,7 +413,10 @@ def cmd_check(args) -> int:
 
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, or an argument error already printed in one line
+        return e.code if isinstance(e.code, int) else 2
     try:
         if args.command == "generate":
             return cmd_generate(args)

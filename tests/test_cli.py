@@ -102,6 +102,17 @@ def test_a_schema_the_enforcer_cannot_follow_is_one_line(folders, capsys, tmp_pa
     assert code == 2 and len(err.strip().splitlines()) == 1 and "unusable JSON schema" in err, err
 
 
+def test_argument_errors_and_a_busy_port_are_one_line(folders, capsys):
+    import socket
+
+    code, _, err = run_cli(["generate", PROMPT, "--gamma", "abc"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "gamma" in err and "usage" not in err, err
+    with socket.create_server(("127.0.0.1", 0)) as busy:  # refused before the model loads
+        port = busy.getsockname()[1]
+        code, _, err = run_cli(["serve", "--target", folders["target"], "--port", str(port)], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and f"cannot listen on 127.0.0.1:{port}" in err, err
+
+
 def test_not_a_model_file(folders, capsys, tmp_path):
     junk = tmp_path / "notes.txt"
     junk.write_text("hello")
