@@ -252,6 +252,22 @@ def test_a_client_that_disconnects_frees_its_row(folder):
         s.close()
 
 
+def test_a_client_that_gives_up_on_a_plain_request_frees_its_row(folder):
+    s = Served(_gen(folder, "none"))
+    try:
+        body = {"model": "tiny", "prompt": "w1 w2", "max_tokens": 500, "temperature": 0}
+        with pytest.raises(httpx.TimeoutException):  # the client gives up and closes the connection
+            httpx.post(s.url + "/v1/completions", json=body, timeout=0.3)
+        deadline = time.time() + 10
+        while s.scheduler.batch_size() and time.time() < deadline:
+            time.sleep(0.02)
+        assert s.scheduler.batch_size() == 0
+        metrics = s.app.state.speculant["metrics"]
+        assert metrics.totals["generated"] < 500 and 'status="499"' in metrics.text().decode()
+    finally:
+        s.close()
+
+
 def test_scheduler_groups_compatible_jobs_and_refuses_past_its_queue():
     seen = []
 

@@ -136,14 +136,25 @@ def create_app(generator, model_name: str = "default", api_key: str | None = Non
         state["metrics"].requests.labels(request.url.path, str(status)).inc()
         return JSONResponse(error_body(status, message, param), status_code=status)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            if given != f"Bearer {api_key}":
-                why = "missing API key" if not given else "wrong API key"
-                return _error(request, 401, f"{why}: send 'Authorization: Bearer <key>' with the server's --api-key")
-        return await call_next(request)
+    class _Auth:
+        """The API key check, as plain ASGI: an ``@app.middleware`` wraps the request's receive
+        channel, and the endpoint then never hears that a client has gone."""
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        async def __call__(self, scope, receive, send):
+            if api_key and scope["type"] == "http" and scope["path"].startswith("/v1/"):
+                request = Request(scope)
+                given = request.headers.get("authorization", "")
+                if given != f"Bearer {api_key}":
+                    why = "missing API key" if not given else "wrong API key"
+                    response = _error(request, 401, f"{why}: send 'Authorization: Bearer <key>' with the server's "
+                                                    "--api-key")
+                    return await response(scope, receive, send)
+            await self.inner(scope, receive, send)
+
+    app.add_middleware(_Auth)
 
     @app.get("/health")
     async def health():
@@ -281,11 +292,17 @@ def create_app(generator, model_name: str = "default", api_key: str | None = Non
         created = int(time.time())
         streams = [TextStream(generator.decode, stop) for _ in jobs]
 
-        async def next_event():
+        async def next_event(poll: float | None = None):
+            """The next event of the request's jobs; None after ``poll`` seconds without one."""
             left = request_timeout - (time.monotonic() - arrived)
             if left <= 0:
                 raise asyncio.TimeoutError
-            return await asyncio.wait_for(events.get(), left)
+            try:
+                return await asyncio.wait_for(events.get(), min(left, poll or left))
+            except asyncio.TimeoutError:
+                if poll is not None and poll < left:
+                    return None
+                raise
 
         def pieces(i: int, new) -> list[dict]:
             """Each new token's text (as the stream shows it) and where it came from."""
@@ -337,10 +354,18 @@ def create_app(generator, model_name: str = "default", api_key: str | None = Non
 
             return StreamingResponse(sse(), media_type="text/event-stream")
 
-        outputs, first = [None] * len(jobs), True
+        outputs, first, checked = [None] * len(jobs), True, time.monotonic()
         try:
             while any(o is None for o in outputs):
-                i, (kind, data) = await next_event()
+                event = await next_event(poll=DISCONNECT_POLL)
+                if time.monotonic() - checked >= DISCONNECT_POLL:  # a client that left frees its rows
+                    checked = time.monotonic()
+                    if await request.is_disconnected():
+                        metrics.requests.labels(endpoint, "499").inc()
+                        return Response(status_code=499)
+                if event is None:
+                    continue
+                i, (kind, data) = event
                 if kind == "error":
                     raise ApiError(500, data)
                 if kind == "tokens" and first:
@@ -360,6 +385,9 @@ def create_app(generator, model_name: str = "default", api_key: str | None = Non
                 "speculant": _stats(outputs)}
 
     return app
+
+
+DISCONNECT_POLL = 0.25  # seconds between checks that a non-streamed request's client is still there
 
 
 def _text_content(content) -> str:
