@@ -148,6 +148,7 @@ def test_seeded_choices_share_batches_and_keep_their_text(folder):
     ({"model": "tiny", "prompt": [5, 100000]}, 400, "prompt"),
     ({"model": "tiny", "prompt": "w1", "logit_bias": {"1000000": 5}}, 400, None),  # refused before it shares a batch
     ({"model": "other", "prompt": "w1"}, 404, "model"),
+    ({"model": "tiny", "prompt": "w1", "logit_bias": {"5": 500}}, 400, "logit_bias"),  # OpenAI's -100..100
 ])
 def test_bad_requests_get_openai_error_bodies(served, body, status, param):
     r = httpx.post(served.url + "/v1/completions", json=body, timeout=30)
@@ -171,9 +172,15 @@ def test_malformed_json_and_unsupported_content(served):
     r = httpx.post(served.url + "/v1/chat/completions", content=b"{not json", timeout=30,
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    for content, kind in ((b"a=b", "application/x-www-form-urlencoded"), (b"", "application/json")):
+        r = httpx.post(served.url + "/v1/chat/completions", content=content, headers={"content-type": kind})
+        assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"], r.text
     r = httpx.post(served.url + "/v1/chat/completions", timeout=30, json={
         "model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]})
     assert r.status_code == 400 and "text" in r.json()["error"]["message"]
+    r = httpx.post(served.url + "/v1/chat/completions", timeout=30, json={
+        "model": "tiny", "messages": [{"role": "wizard", "content": "w1"}]})
+    assert r.status_code == 400 and "role" in r.json()["error"]["param"], r.text
     with pytest.raises(openai.BadRequestError):
         served.client().completions.create(model="tiny", prompt="w1 " * 600, max_tokens=10)
 

@@ -16,7 +16,7 @@ import json
 import time
 import uuid
 from importlib import resources
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -62,7 +62,7 @@ class Sampling(BaseModel):
     seed: int | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    logit_bias: dict[int, float] | None = None
+    logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] | None = None  # OpenAI's range
     user: str | None = None
     # speculant's own
     gamma: int | Literal["auto"] | None = None
@@ -81,7 +81,7 @@ class CompletionRequest(Sampling):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict] | None = None
 
 
@@ -124,8 +124,13 @@ def create_app(generator, model_name: str = "default", api_key: str | None = Non
         first = e.errors()[0] if e.errors() else {}
         where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
         msg = first.get("msg", "invalid request")
-        if first.get("type") == "json_invalid":
-            msg = "the request body is not valid JSON"
+        if first.get("type") == "json_invalid":  # loc is the character offset where parsing failed
+            at = first.get("loc", ("body", "?"))[-1]
+            return _error(request, 400, f"the request body is not valid JSON (at character {at}): send a JSON object")
+        if first.get("type") in ("model_attributes_type", "dict_type") and not where:
+            msg = "the request body must be a JSON object (Content-Type: application/json)"
+        elif first.get("type") == "missing" and where in ("", "body"):
+            msg = "the request has no body: send a JSON object"
         return _error(request, 400, f"{where}: {msg}" if where else msg, where or None)
 
     @app.exception_handler(StarletteHTTPException)
