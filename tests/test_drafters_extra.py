@@ -113,6 +113,17 @@ def test_layerskip_sharing_the_target_cache_is_greedy_identical(batch, gamma, se
     assert sum(o.stats["accepted_draft_tokens"] for o in outs) > 0
 
 
+def test_the_general_path_passes_the_cache_by_the_keyword_transformers_takes(recwarn):
+    """transformers 5.2x renamed forward's past_key_values to cache (the old name warns, then goes);
+    5.17 and older know only past_key_values: the target's and layerskip's calls use what each takes."""
+    target = tiny_target(0)
+    prompt = _prompts(0)[1]
+    out = speculant.generate(target, [prompt], drafter=LayerSkipDrafter(target, [1]), gamma=3, max_new_tokens=12,
+                             path="general")[0]
+    assert out.token_ids == hf_greedy(target, prompt, 12)
+    assert not [w for w in recwarn if "past_key_values" in str(w.message)]
+
+
 def test_layerskip_sharing_the_cache_with_no_layer_skipped_is_the_target():
     """Skipping nothing, the shared-cache drafter is the target reading its own cache: every draft
     token must be accepted (a wrong position, a stale slot or a missed rollback would lose some)."""

@@ -26,6 +26,7 @@ import torch
 
 from ..errors import SpeculantError
 from ..models.fast import StaticKVState
+from ..models.kv import cache_keyword
 from ..sampling import TokenHistory
 from .base import DraftContext, Proposal
 from .model import ModelDrafter
@@ -105,8 +106,8 @@ class SkipLayersModel(torch.nn.Module):
                 attention_mask=mask,
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
-                past_key_values=past_key_values,
                 use_cache=use_cache,
+                **{cache_keyword(type(base.layers[i]).forward): past_key_values},
             )
             hidden = out[0] if isinstance(out, tuple) else out
         hidden = base.norm(hidden)

@@ -10,7 +10,17 @@ and the keys/values a fresh prefill of its accepted text would give.
 """
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
+
+
+@functools.cache
+def cache_keyword(forward) -> str:
+    """The keyword a forward takes its KV cache by: ``cache`` since transformers 5.2x renamed it
+    (``past_key_values`` there warns, and is to go), ``past_key_values`` before (5.17 and older)."""
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
 class KVState:
@@ -65,8 +75,8 @@ class KVState:
             input_ids=tokens,
             attention_mask=attention,
             position_ids=positions,
-            past_key_values=self.cache,
             use_cache=True,
+            **{cache_keyword(type(self.model).forward): self.cache},
             **kwargs,
         )
         self.block_start = self.length  # where this block's columns begin (keep_path)
