@@ -93,18 +93,13 @@ def check_settings(s: TrainSettings) -> None:
     if s.data != "sharegpt":
         next(jsonl_records(s.data))  # an empty or malformed file fails here
     for name in ("max_tokens", "answer_tokens", "seq_len", "layers", "anchors", "batch", "eval_sequences", "heads",
-                 "ttt_steps"):
-        if getattr(s, name) < 1:
+                 "ttt_steps", "steps", "checkpoint_every", "draft_vocab", "conversations"):  # None: not given
+        if getattr(s, name) is not None and getattr(s, name) < 1:
             raise SpeculantError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(s, name)}")
     if s.block_size < 2:
         raise SpeculantError(f"--block-size must be >= 2 (the anchor and at least one draft), got {s.block_size}")
-    if s.steps is not None and s.steps < 1:
-        raise SpeculantError(f"--steps must be >= 1, got {s.steps}")
     if s.epochs <= 0:
         raise SpeculantError(f"--epochs must be > 0, got {s.epochs}")
-    for name in ("checkpoint_every", "draft_vocab", "conversations"):
-        if getattr(s, name) is not None and getattr(s, name) < 1:
-            raise SpeculantError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(s, name)}")
     if not s.lr > 0:
         raise SpeculantError(f"--lr must be > 0, got {s.lr}")
 
