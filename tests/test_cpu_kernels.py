@@ -140,3 +140,57 @@ def test_bfloat16_fast_path_matches_hf_bfloat16_with_each_kernel_choice(choice, 
         assert_same_or_bf16_near_tie(target, prompt, ref, out.token_ids)
     if choice == "fp32-blocks":
         assert gen.backend.fast.kernels == "aten steps + onednn-packed fp32 blocks"
+
+
+def test_stacked_projections_follow_the_bits_check(monkeypatch):
+    """q/k/v and gate/up are one packed matmul each where that keeps every part's bits (always in
+    float32; in bf16 where this CPU's kernels do), else HF's separate matmuls; plain bf16 decoding
+    stays HF's bit for bit either way (the test above, with each kernel choice)."""
+    if not onednn_packs(torch.float32):
+        pytest.skip("this torch build has no oneDNN")
+    target = tiny_llama(7)
+    assert "qkv_packed" in FastLlama(target).step_set.layers[0]  # float32
+    if not onednn_packs(torch.bfloat16):
+        return
+    bf16 = tiny_llama(7).to(torch.bfloat16)
+    exact = cpu_kernels.stacking_is_exact(torch.bfloat16, 64, (64, 32, 32), False, 1)
+    layer = FastLlama(bf16).step_set.layers[0]
+    assert ("qkv_packed" in layer) == exact and ("q_packed" in layer) != exact
+    monkeypatch.setattr(cpu_kernels, "stacking_is_exact", lambda *a: False)  # a CPU whose kernels differ
+    gen = speculant.Generator(LoadedModel(bf16, None, "tiny"), NoDrafter(), gamma=1, path="fast")
+    assert {"q_packed", "k_packed", "v_packed", "gate_packed", "up_packed"} <= set(gen.backend.fast.step_set.layers[0])
+    prompt = [5, 9, 14, 3] * 5
+    assert gen.generate_ids([prompt], max_new_tokens=20)[0].token_ids == hf_greedy(bf16, prompt, 20)
+
+
+def test_the_bits_check_fails_a_stacking_that_rounds_otherwise(monkeypatch):
+    if not onednn_packs(torch.float32):
+        pytest.skip("this torch build has no oneDNN")
+    dtype = torch.bfloat16 if onednn_packs(torch.bfloat16) else torch.float32
+    check = cpu_kernels.stacking_is_exact.__wrapped__  # uncached
+    real = PackedLinear.stacked.__func__
+
+    def off_by_a_step(cls, weights, biases, compute=None, hint=1):  # parts computed otherwise: one weight nudged
+        return real(cls, [weights[0] * (1 + 2 ** -6)] + weights[1:], biases, compute, hint)
+    monkeypatch.setattr(PackedLinear, "stacked", classmethod(off_by_a_step))
+    assert not check(dtype, 64, (64, 32, 32), False, 1)
+
+
+def test_pack_linears_stacks_a_drafter_layers_projections_and_keeps_its_outputs():
+    from speculant.models.cpu_kernels import pack_linears
+    from speculant.trained.blocks import Layer, inv_freq, rope
+
+    cfg = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
+           "model_type": "llama"}
+    torch.manual_seed(0)
+    layer = Layer(cfg).eval()
+    h = torch.randn(1, 5, 64)
+    cos_sin = rope(torch.arange(5)[None], inv_freq(cfg), torch.float32)
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()[None, None]
+    with torch.no_grad():
+        want = layer(h, cos_sin, lambda k, v: (k, v), mask)
+        pack_linears(layer)
+        got = layer(h, cos_sin, lambda k, v: (k, v), mask)
+    if onednn_packs(torch.float32):
+        assert layer.self_attn.stacked_qkv is not None and layer.mlp.stacked_gate_up is not None
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

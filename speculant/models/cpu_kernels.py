@@ -74,11 +74,39 @@ class PackedLinear:
         self.weight = torch.ops.mkldnn._reorder_linear_weight(w, hint)
         self.bias = None if bias is None else bias.detach().to(self.compute).contiguous()
 
+    @classmethod
+    def stacked(cls, weights: list[torch.Tensor], biases: list[torch.Tensor | None], compute: torch.dtype | None = None,
+                hint: int = 1) -> "PackedLinear":
+        """One packed matmul for several that read the same input (q/k/v, gate/up): the weights
+        stacked by rows, their outputs side by side (a missing bias is zeros)."""
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
+        return cls(torch.cat(weights) if len(weights) > 1 else weights[0], bias, compute, hint)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.compute == self.out_dtype:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         y = torch.ops.mkldnn._linear_pointwise(x.to(self.compute), self.weight, self.bias, "none", [], "")
         return y.to(self.out_dtype)
+
+
+@functools.cache
+def stacking_is_exact(dtype: torch.dtype, in_features: int, outs: tuple[int, ...], bias: bool, hint: int) -> bool:
+    """Whether one packed matmul over stacked weights gives each part the very bits ``F.linear``
+    gives it alone, for this shape on this CPU. Each output is one dot product over the same
+    inputs, but a kernel may block its sums otherwise for a wider output; checked once per shape
+    on random values (rows 1-16: one-token steps of a batch), where such a difference shows."""
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(o, in_features, generator=g).to(dtype) for o in outs]
+    biases = [torch.randn(o, generator=g).to(dtype) if bias else None for o in outs]
+    fused = PackedLinear.stacked(weights, biases, dtype, hint)
+    for rows in (1, 2, 4, 9, 16):
+        x = torch.randn(rows, in_features, generator=g).to(dtype)
+        want = torch.cat([torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)], -1)
+        if not torch.equal(fused(x), want):
+            return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -147,7 +175,19 @@ def pack_linears(module: torch.nn.Module, kernels: str | None = None) -> torch.n
         return module
     size = sum(m.weight.numel() * m.weight.element_size() for m in linears)
     how = plan(linears[0].weight.dtype, size, kernels)
-    if how.block_pack is not None:
-        for m in linears:
-            m.forward = PackedLinear(m.weight, m.bias, how.block_pack, how.hint)
+    if how.block_pack is None:
+        return module
+    for m in linears:
+        m.forward = PackedLinear(m.weight, m.bias, how.block_pack, how.hint)
+    # a module that declares a slot for it (trained.blocks' attention and MLP) also gets one matmul
+    # for its projections that read the same input: fewer, wider matmuls stream faster
+    for m in module.modules():
+        for slot, names in STACKED.items():
+            parts = [getattr(m, n, None) for n in names]
+            if hasattr(m, slot) and all(isinstance(p, torch.nn.Linear) for p in parts):
+                setattr(m, slot, PackedLinear.stacked([p.weight for p in parts], [p.bias for p in parts],
+                                                      how.block_pack, how.hint))
     return module
+
+
+STACKED = {"stacked_qkv": ("q_proj", "k_proj", "v_proj"), "stacked_gate_up": ("gate_proj", "up_proj")}

@@ -56,18 +56,24 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else nn.Identity()
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else nn.Identity()
 
+    stacked_qkv = None  # cpu_kernels.pack_linears: q, k and v projected by one packed matmul
+
     def queries(self, x: torch.Tensor, cos_sin) -> torch.Tensor:
         """Rotated (normed) queries [B, heads, T, D] of x [B, T, in] (``cos_sin``: ``rope`` of its positions)."""
-        B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, self.heads, self.head_dim)).transpose(1, 2)
-        return rotate(q, cos_sin)
+        return self._queries(self.q_proj(x), cos_sin)
 
     def keys_values(self, x: torch.Tensor, cos_sin):
         """Rotated, normed keys and values [B, kv_heads, T, D] of x [B, T, in] (``cos_sin`` as ``queries``)."""
-        B, T, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(B, T, self.kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
-        return rotate(k, cos_sin), v
+        return self._keys_values(self.k_proj(x), self.v_proj(x), cos_sin)
+
+    def _queries(self, q: torch.Tensor, cos_sin) -> torch.Tensor:
+        B, T, _ = q.shape
+        return rotate(self.q_norm(q.view(B, T, self.heads, self.head_dim)).transpose(1, 2), cos_sin)
+
+    def _keys_values(self, k: torch.Tensor, v: torch.Tensor, cos_sin):
+        B, T, _ = k.shape
+        k = self.k_norm(k.view(B, T, self.kv_heads, self.head_dim)).transpose(1, 2)
+        return rotate(k, cos_sin), v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Queries [B, heads, T, D] over keys/values [B, kv, S, D] with mask [B, 1, T, S] (True or 0:
@@ -84,8 +90,12 @@ class Attention(nn.Module):
     def forward(self, x, cos_sin, kv, mask):
         """x [B, T, in] (``cos_sin``: ``rope`` of its positions) attends to ``kv(k, v)``: the keys/values
         its own k, v join (a context before them, a KV cache they are written into), under mask [B, 1, T, S]."""
-        k, v = self.keys_values(x, cos_sin)
-        return self.attend(self.queries(x, cos_sin), *kv(k, v), mask)
+        if self.stacked_qkv is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            q, k, v = self.stacked_qkv(x).split([self.heads * self.head_dim] + [self.kv_heads * self.head_dim] * 2, -1)
+        k, v = self._keys_values(k, v, cos_sin)
+        return self.attend(self._queries(q, cos_sin), *kv(k, v), mask)
 
 
 class MLP(nn.Module):
@@ -95,8 +105,14 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
+    stacked_gate_up = None  # cpu_kernels.pack_linears: gate and up projected by one packed matmul
+
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.stacked_gate_up is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = self.stacked_gate_up(x).chunk(2, -1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Layer(nn.Module):
