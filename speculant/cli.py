@@ -240,6 +240,9 @@ def cmd_generate(args) -> int:
         if not args.json:
             raise SpeculantError("--logprobs needs --json (the logprobs are printed in the JSON output)")
         sampling["logprobs"] = args.logprobs
+    if args.show_acceptance and args.json:
+        raise SpeculantError("--show-acceptance colours the streamed text; --json prints no text stream: use one "
+                             "of them")
     if args.max_new_tokens < 1:
         raise SpeculantError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if not args.prompt.strip():
@@ -302,8 +305,10 @@ def _print_with_origins(pieces) -> None:
     out = Console(highlight=False, soft_wrap=True)
     for piece, drafted in pieces:
         out.print(Text(piece, style="black on green" if drafted else "black on yellow"), end="")
-    Console(stderr=True, highlight=False).print(
-        Text("draft token accepted", style="black on green") + Text(" ") + Text("target's own token", style="black on yellow"))
+    if out.is_terminal:  # piped, the text carries no colours: a legend would explain nothing
+        Console(stderr=True, highlight=False).print(
+            Text("draft token accepted", style="black on green") + Text(" ") + Text("target's own token",
+                                                                                    style="black on yellow"))
 
 
 def cmd_serve(args) -> int:

@@ -80,6 +80,7 @@ BAD = [
     (["--logprobs", "3"], "--json"),
     (["--logprobs", "-1", "--json"], "logprobs"),
     (["--json-schema", "/no/such/schema.json"], "schema"),
+    (["--show-acceptance", "--json"], "--show-acceptance"),
 ]
 
 
@@ -204,7 +205,7 @@ def test_api_batch_and_stop_strings(folders):
     assert cut.finish_reason == "stop" and first_word not in cut.text
 
 
-def test_show_acceptance_marks_drafted_tokens_and_keeps_the_text(folders, capsys):
+def test_show_acceptance_marks_drafted_tokens_and_keeps_the_text(folders, capsys, monkeypatch):
     gen = speculant.load(folders["target"], drafter="ngram", device="cpu", dtype="float32")
     pieces = list(gen.stream(PROMPT, max_new_tokens=30, chat_template=False, origins=True))
     plain = gen.generate(PROMPT, max_new_tokens=30, chat_template=False)
@@ -215,4 +216,8 @@ def test_show_acceptance_marks_drafted_tokens_and_keeps_the_text(folders, capsys
     code, out, err = run_cli(["generate", PROMPT, "--target", folders["target"], "--max-new-tokens", "30",
                               "--no-chat-template", "--dtype", "float32", "--show-acceptance"], capsys)
     assert code == 0, err
-    assert out.strip() == plain.text.strip() and "draft token accepted" in err
+    assert out.strip() == plain.text.strip() and "draft token accepted" not in err  # piped: no colours, no legend
+    monkeypatch.setenv("FORCE_COLOR", "1")  # as on a terminal
+    code, out, err = run_cli(["generate", PROMPT, "--target", folders["target"], "--max-new-tokens", "30",
+                              "--no-chat-template", "--dtype", "float32", "--show-acceptance"], capsys)
+    assert code == 0 and "draft token accepted" in err and "\x1b[" in out, err

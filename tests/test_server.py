@@ -82,6 +82,11 @@ def test_completions_equal_hf_greedy_streaming_and_not(served, folder):
         out = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0)
         assert out.choices[0].text == tok.decode(ref, skip_special_tokens=True)
         assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == len(ref)
+        other = client.completions.create(model="tiny", prompt=prompt + " w3", max_tokens=24, temperature=0)
+        two = client.completions.create(model="tiny", prompt=[prompt, prompt + " w3"], max_tokens=24, temperature=0,
+                                        n=2)  # each prompt counted once, not once per choice (OpenAI's usage)
+        assert two.usage.prompt_tokens == out.usage.prompt_tokens + other.usage.prompt_tokens
+        assert two.usage.completion_tokens == 2 * (out.usage.completion_tokens + other.usage.completion_tokens)
         assert out.choices[0].finish_reason == ("stop" if 1 in ref else "length")
         chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
                                                 stream=True))

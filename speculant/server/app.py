@@ -347,7 +347,7 @@ def create_app(generator, model_name: str = "default", api_key: str | None = Non
                                               [], data.logprobs, logprobs, tok, _stats([data])))
                     if include_usage:
                         yield _sse(_chunk(rid, created, model_name, chat, None, "", None, []) | {
-                            "choices": [], "usage": _usage(outputs)})
+                            "choices": [], "usage": _usage(outputs, body.n)})
                     yield "data: [DONE]\n\n"
                     ended = True
                     metrics.requests.labels(endpoint, "200").inc()
@@ -386,7 +386,7 @@ def create_app(generator, model_name: str = "default", api_key: str | None = Non
         metrics.latency.observe(time.monotonic() - arrived)
         choices = [_choice(chat, i, o, logprobs, tok) for i, o in enumerate(outputs)]
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": model_name, "choices": choices, "usage": _usage(outputs),
+                "model": model_name, "choices": choices, "usage": _usage(outputs, body.n),
                 "speculant": _stats(outputs)}
 
     return app
@@ -408,8 +408,11 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def _usage(outputs) -> dict:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs if o is not None)
+def _usage(outputs, n: int) -> dict:
+    """OpenAI's usage: each prompt's tokens once (not once for each of its ``n`` choices, which
+    follow one another), every choice's completion."""
+    prompt = sum(next((len(o.prompt_token_ids) for o in outputs[i : i + n] if o is not None), 0)
+                 for i in range(0, len(outputs), n))
     completion = sum(len(o.token_ids) for o in outputs if o is not None)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
