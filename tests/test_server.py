@@ -154,6 +154,10 @@ def test_seeded_choices_share_batches_and_keep_their_text(folder):
     ({"model": "tiny", "prompt": "w1", "logit_bias": {"1000000": 5}}, 400, None),  # refused before it shares a batch
     ({"model": "other", "prompt": "w1"}, 404, "model"),
     ({"model": "tiny", "prompt": "w1", "logit_bias": {"5": 500}}, 400, "logit_bias"),  # OpenAI's -100..100
+    ({"model": "tiny", "prompt": "w1", "max_tokens": True}, 400, "max_tokens"),  # not 1 token (lax ints took it)
+    ({"model": "tiny", "prompt": "w1", "n": "2"}, 400, "n"),
+    ({"model": "tiny", "prompt": "w1", "max_tokens": 4.5}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "w1", "stream": "yes"}, 400, "stream"),
 ])
 def test_bad_requests_get_openai_error_bodies(served, body, status, param):
     r = httpx.post(served.url + "/v1/completions", json=body, timeout=30)

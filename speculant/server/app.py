@@ -21,7 +21,7 @@ from typing import Annotated, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..api import TextStream, check_gamma
@@ -50,33 +50,34 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
 class Sampling(BaseModel):
     """Fields both endpoints share (OpenAI's defaults: temperature 1, top_p 1)."""
 
+    # strict ints and bools: JSON's true is not 1 tokens, nor 16.0 or "16" a count (pydantic's lax mode takes them)
     model_config = ConfigDict(extra="allow")
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: StrictInt | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    n: int = Field(1, ge=1, le=16)
-    stream: bool = False
+    n: StrictInt = Field(1, ge=1, le=16)
+    stream: StrictBool = False
     stream_options: dict | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: StrictInt | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] | None = None  # OpenAI's range
     user: str | None = None
     # speculant's own
-    gamma: int | Literal["auto"] | None = None
-    speculate: bool = True  # false: plain decoding (the playground's comparison button)
-    top_k: int = Field(0, ge=0)
+    gamma: StrictInt | Literal["auto"] | None = None
+    speculate: StrictBool = True  # false: plain decoding (the playground's comparison button)
+    top_k: StrictInt = Field(0, ge=0)
     min_p: float = Field(0.0, ge=0, lt=1)
     repetition_penalty: float = Field(1.0, gt=0)
 
 
 class CompletionRequest(Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    max_tokens: StrictInt | None = Field(16, ge=1)
+    logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    echo: StrictBool = False
 
 
 class ChatMessage(BaseModel):
@@ -87,9 +88,9 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     response_format: dict | None = None
 
 
