@@ -292,6 +292,12 @@ def test_quick_run_writes_every_output_file(tiny, tmp_path, capsys):
             assert len(list(csv.DictReader(f))) > 0
     md = (out / "results.md").read_text()
     assert "| method | alpha | beta | all |" in md and "Speedup vs γ" in md and md in stdout
+    vs_none = md.split("against `speculant none`")[1]  # the second table: what speculation itself gains
+    assert "| speculant none | 1.00× · τ 1.00 | 1.00× · τ 1.00 | 1.00× · τ 1.00 |" in vs_none, vs_none
+    ngram_all = find(data["summary"], method="speculant ngram", category=ALL, temperature=0.0, batch_size=1,
+                     gamma=data["settings"]["primary"]["gamma"])[0]["speedup_vs_speculant_none"]
+    row = next(line for line in vs_none.splitlines() if line.startswith("| speculant ngram | "))
+    assert row.split(" | ")[-1].startswith(f"{ngram_all:.2f}× · τ"), row  # its overall cell
     import matplotlib.image
 
     for png in ("speedup_by_category", "acceptance_by_position", "speedup_vs_gamma", "speedup_vs_batch_size",

@@ -66,6 +66,20 @@ def primary_rows(summary: list[dict], primary) -> list[dict]:
             and s["gamma"] in (None, primary.gamma)]
 
 
+def _speedup_cells(summary: list[dict], method: str, cols: list[str], key: str) -> list[str]:
+    """One method's cells: speedup (``key``) · τ per category."""
+    cells = []
+    for c in cols:
+        hit = find(summary, method=method, category=c)
+        s = hit[0] if hit else None
+        if s is None or s[key] is None:
+            cells.append("—")
+        else:
+            tau = f" · τ {s['mean_accepted_tokens']:.2f}" if s["mean_accepted_tokens"] is not None else ""
+            cells.append(f"{_fmt(s[key])}×{tau}")
+    return cells
+
+
 def primary_table(summary: list[dict], categories: list[str]) -> str:
     """Method rows x category columns: speedup vs HF generate and τ; then the overall numbers.
     ``summary``: the primary rows only."""
@@ -73,21 +87,23 @@ def primary_table(summary: list[dict], categories: list[str]) -> str:
     head = "| method | " + " | ".join(cols) + " | tok/s | α | tree nodes/pass | drafter µs/pass | peak MiB | identical |"
     lines = [head, "|" + "---|" * (len(cols) + 7)]
     for m in method_order(find(summary)):
-        cells = []
-        for c in cols:
-            hit = find(summary, method=m, category=c)
-            s = hit[0] if hit else None
-            if s is None:
-                cells.append("—")
-            else:
-                tau = f" · τ {s['mean_accepted_tokens']:.2f}" if s["mean_accepted_tokens"] is not None else ""
-                cells.append(f"{_fmt(s['speedup_vs_hf_generate'])}×{tau}")
+        cells = _speedup_cells(summary, m, cols, "speedup_vs_hf_generate")
         a = find(summary, method=m, category=ALL)[0]
         ident = a["identical"] if not a["identical"].startswith("NO") else f"**❌ {a['identical']}**"
         lines.append(f"| {m} | " + " | ".join(cells) +
                      f" | {_fmt(a['tokens_per_second'], '.1f')} | {_fmt(a['acceptance_rate'])} "
                      f"| {_fmt(a.get('mean_tree_nodes'), '.1f')} | {_fmt(a.get('drafter_us_per_pass'), '.0f')} "
                      f"| {_fmt(_mib(a['peak_memory_bytes']), '.0f')} | {ident} |")
+    return "\n".join(lines)
+
+
+def vs_none_table(summary: list[dict], categories: list[str]) -> str:
+    """The same rows against ``speculant none`` (plain decoding through the same engine, dtype and path):
+    what speculation itself gains."""
+    cols = categories + [ALL]
+    lines = ["| method | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 1)]
+    for m in method_order(find(summary)):
+        lines.append(f"| {m} | " + " | ".join(_speedup_cells(summary, m, cols, "speedup_vs_speculant_none")) + " |")
     return "\n".join(lines)
 
 
@@ -245,7 +261,9 @@ def write_results(out_dir: Path, config, prompts, records: list[dict], summary: 
     md += [f"{'Greedy speedup' if p.temperature == 0 else 'Speedup'} vs HF `generate` · τ (tokens per target pass), batch 1, "
            f"temperature {p.temperature}, γ {p.gamma}, {config.max_new_tokens} new tokens, "
            f"torch {machine['torch']}, transformers {machine['transformers']}.", "",
-           primary_table(prim, categories), ""]
+           primary_table(prim, categories), "",
+           "The same runs against `speculant none` (plain decoding, same engine, dtype and path) · τ:", "",
+           vs_none_table(prim, categories), ""]
     for axis, (values, series) in swept.items():
         md += [f"### Speedup vs {SWEEP_AXES[axis]}", "", sweep_table(series, axis, values), ""]
     files["markdown"] = out_dir / "results.md"
