@@ -188,11 +188,11 @@ class FastLlama:
         of a 27 ms bf16 step on an AVX-512 CPU) where that keeps each part's bits: always in float32,
         whose promise is greedy output; in bf16, whose plain decoding is HF's bit for bit, where
         ``stacking_is_exact`` finds it so on this CPU (else HF's separate matmuls)."""
-        groups = []
+        groups, first = [], plain[0]  # every layer has the first one's shapes
         for group in (("q", "k", "v"), ("gate", "up")):
-            w0 = plain[0]
-            shape = (w0[group[0]].shape[1], tuple(w0[n].shape[0] for n in group), any(n + "_bias" in w0 for n in group))
-            exact = compute == torch.float32 or cpu_kernels.stacking_is_exact(compute, *shape, hint)
+            exact = compute == torch.float32 or cpu_kernels.stacking_is_exact(
+                compute, first[group[0]].shape[1], tuple(first[n].shape[0] for n in group),
+                any(n + "_bias" in first for n in group), hint)
             groups += [group] if exact else [(n,) for n in group]
         layers = []
         for w in plain:
