@@ -177,16 +177,20 @@ def pack_linears(module: torch.nn.Module, kernels: str | None = None) -> torch.n
     how = plan(linears[0].weight.dtype, size, kernels)
     if how.block_pack is None:
         return module
-    for m in linears:
-        m.forward = PackedLinear(m.weight, m.bias, how.block_pack, how.hint)
-    # a module that declares a slot for it (trained.blocks' attention and MLP) also gets one matmul
-    # for its projections that read the same input: fewer, wider matmuls stream faster
+    # a module that declares a slot for it (trained.blocks' attention and MLP) gets one matmul for its
+    # projections that read the same input (fewer, wider matmuls stream faster); those projections
+    # get no packed copy of their own (their forward runs through the slot)
+    stacked = set()
     for m in module.modules():
         for slot, names in STACKED.items():
             parts = [getattr(m, n, None) for n in names]
             if hasattr(m, slot) and all(isinstance(p, torch.nn.Linear) for p in parts):
                 setattr(m, slot, PackedLinear.stacked([p.weight for p in parts], [p.bias for p in parts],
                                                       how.block_pack, how.hint))
+                stacked.update(map(id, parts))
+    for m in linears:
+        if id(m) not in stacked:
+            m.forward = PackedLinear(m.weight, m.bias, how.block_pack, how.hint)
     return module
 
 
