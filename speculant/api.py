@@ -160,9 +160,11 @@ class Generator:
         checks = [_stop_checker(self.tokenizer, x) for x in stop] if _per_row(stop) else _stop_checker(self.tokenizer, stop)
         return Request(prompt_ids, params, max_new_tokens, g, seed, checks, logprobs, cancelled=cancelled)
 
-    def stream_ids(self, prompt_ids: list[list[int]], max_new_tokens=128, gamma=None, seed=None, stop=None, **sampling):
-        """Yields (row, new token ids) as accepted; the generator's return value is the list of Rows."""
-        req = self._request(prompt_ids, max_new_tokens, gamma, seed, stop, sampling)
+    def stream_ids(self, prompt_ids: list[list[int]], max_new_tokens=128, gamma=None, seed=None, stop=None,
+                   speculate: bool = True, **sampling):
+        """Yields (row, new token ids) as accepted; the generator's return value is the list of Rows.
+        ``speculate=False``: plain decoding through the same engine and kernels."""
+        req = self._request(prompt_ids, max_new_tokens, gamma, seed, stop, sampling, speculate=speculate)
         return self.engine.run(req)
 
     def start_batch(self, prompt_ids: list[list[int]], max_new_tokens: list[int], stops: list, gamma=None,
@@ -188,8 +190,9 @@ class Generator:
             outs.append(Output(text, r.tokens, r.prompt, r.finish_reason, r.stats.to_dict(), r.logprobs))
         return outs
 
-    def generate_ids(self, prompt_ids: list[list[int]], max_new_tokens=128, gamma=None, seed=None, stop=None, **sampling):
-        it = self.stream_ids(prompt_ids, max_new_tokens, gamma, seed, stop, **sampling)
+    def generate_ids(self, prompt_ids: list[list[int]], max_new_tokens=128, gamma=None, seed=None, stop=None,
+                     speculate: bool = True, **sampling):
+        it = self.stream_ids(prompt_ids, max_new_tokens, gamma, seed, stop, speculate, **sampling)
         while True:
             try:
                 next(it)

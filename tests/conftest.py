@@ -6,6 +6,12 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# the CPU attention kernel is compiled once per machine (about a minute): before any test runs, so
+# that no test's output holds the notice
+from speculant.models import cpu_attention  # noqa: E402
+
+cpu_attention.kernel()
+
 
 @pytest.fixture(scope="session")
 def default_model():

@@ -70,3 +70,23 @@ def test_cli_check_bad_input_is_one_line(args, message, capsys):
     assert main(["check", *args]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+
+
+def test_where_the_stats_say_bitwise_speculation_must_equal_plain_decoding(monkeypatch):
+    """No near-tie excuse: a speculative text that parts from plain decoding anywhere fails, even where
+    HF's logits tie; plain decoding itself is held to HF within near-ties."""
+    gen = speculant.Generator(LoadedModel(peaked(0).to(torch.bfloat16), None, "tiny"), ModelDrafter(peaked(1)))
+    prompts = [[0, 1, 2, 0, 1, 3, 0, 1], [3, 2, 1]]
+    good = greedy_check(gen, prompts, 12)
+    assert good.passed and "bit-identical to plain decoding" in good.summary, good.summary
+    real = gen.generate_ids
+
+    def nudged(ids, max_new_tokens=128, speculate=True, **kw):  # speculation alone replaces one token
+        outs = real(ids, max_new_tokens, speculate=speculate, **kw)
+        if speculate:
+            outs[0].token_ids[3] = (outs[0].token_ids[3] + 1) % 4
+        return outs
+
+    monkeypatch.setattr(gen, "generate_ids", nudged)
+    bad = greedy_check(gen, prompts, 12)
+    assert not bad.passed and "NOT allowed" in bad.details[0], bad.details

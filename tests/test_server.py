@@ -507,3 +507,30 @@ def test_streamed_text_is_incremental_and_never_shows_what_a_stop_string_cuts(fo
             assert final.startswith(shown), (shown, final)
             i += k
         assert shown + stream.finish(final) == final
+
+
+def test_sixteen_concurrent_bf16_greedy_requests_answer_as_each_alone(folder):
+    """In bfloat16 too: rows verified beside other requests (and padded to the widest of them) get
+    their bits alone, so a request's greedy text does not depend on what else the server runs."""
+    gen = speculant.load(str(folder), drafter="ngram", device="cpu", dtype="bfloat16")
+    gen.tokenizer.chat_template = CHAT_TEMPLATE
+    prompts = [" ".join(f"w{(7 * i + j) % 90 + 3}" for j in range(3 + i % 5)) * (1 + i % 3) for i in range(16)]
+    s = Served(gen)
+    try:
+        client = s.client()
+        alone = [client.completions.create(model="tiny", prompt=p, max_tokens=20, temperature=0).choices[0].text
+                 for p in prompts]
+        results = [None] * len(prompts)
+
+        def ask(i):
+            results[i] = client.completions.create(model="tiny", prompt=prompts[i], max_tokens=20,
+                                                   temperature=0).choices[0].text
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        s.close()
+    assert results == alone

@@ -6,6 +6,7 @@ import sys
 
 import torch
 
+from . import invariant
 from .fast import FastLlama, StaticKVState, supports
 from .kv import KVState
 
@@ -64,11 +65,19 @@ class Backend:
                 self.name += "+cudagraphs"
 
     def info(self) -> dict:
-        """What runs the model, for the stats: path, dtype and, on the CPU fast path, the matmul kernels."""
+        """What runs the model, for the stats: path, dtype, on the CPU fast path the matmul kernels,
+        and whether speculative output is plain decoding's bit for bit (``exact``: "bitwise") or may
+        part from it at a rounding near-tie ("near-ties"), with the width-invariant kernels chosen."""
         p = next(self.model.parameters())
         out = {"path": self.name, "dtype": str(p.dtype).removeprefix("torch.")}
         if self.fast is not None and p.device.type == "cpu":
             out["cpu_kernels"] = self.fast.kernels
+        if self.fast is not None:
+            out["exact"] = self.fast.exact
+            out["width_invariance"] = self.fast.invariance
+        else:  # the general path: HF's forward on the invariant kernels, proven on CPUs only
+            ok = invariant.supports_hf(self.model) and p.device.type == "cpu"
+            out["exact"] = "bitwise" if ok else "near-ties"
         if self.dtype_choice:
             out["dtype_choice"] = self.dtype_choice
         return out

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import platform
 import sys
 import time
 from dataclasses import dataclass
@@ -32,6 +30,7 @@ from pathlib import Path
 import torch
 
 from . import cpu_kernels
+from .cpu_kernels import machine_key
 from .loading import _LOADED, cache_dir, load_model, resolve_model_path
 
 CANDIDATES = ("float32", "bfloat16")
@@ -63,19 +62,6 @@ class Choice:
         others = ", ".join(f"{d} {ms:.1f}" for d, ms in self.ms_per_token.items() if d != self.dtype)
         return (f"auto: {self.dtype} on the {self.path} path, {self.ms_per_token[self.dtype]:.1f} ms/token "
                 f"(vs {others}; {'cached' if self.cached else 'measured now'})")
-
-
-def machine_key() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return "|".join([cpu, cpu_kernels.cpu_capability(), torch.__version__, str(torch.get_num_threads()),
-                     os.environ.get(cpu_kernels.ENV, "auto")])
 
 
 def _drafter_key(drafter: str | None) -> str:

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import functools
 import os
+import platform
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -35,6 +37,21 @@ def cpu_capability() -> str:
         return torch.backends.cpu.get_cpu_capability()
     except (AttributeError, RuntimeError):
         return "unknown"
+
+
+def machine_key() -> str:
+    """What decides which kernels run and how they round: the CPU, its ISA level, torch, threads and
+    the kernel choice asked for."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return "|".join([cpu, cpu_capability(), torch.__version__, str(torch.get_num_threads()),
+                     os.environ.get(ENV, "auto")])
 
 
 @functools.cache
@@ -70,6 +87,7 @@ class PackedLinear:
                  hint: int = 1):
         self.out_dtype = weight.dtype
         self.compute = compute or weight.dtype
+        self.out_features, self.in_features = weight.shape
         w = weight.detach().to(self.compute).contiguous()
         self.weight = torch.ops.mkldnn._reorder_linear_weight(w, hint)
         self.bias = None if bias is None else bias.detach().to(self.compute).contiguous()

@@ -15,14 +15,14 @@ qwen2, smollm): see ``supports``. Anything else runs on the general path (``KVSt
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernels
+from . import cpu_kernels, invariant
 from .cpu_kernels import PackedLinear
+from .invariant import FLinear, KeyLayout, RowLinear
 
 FAST_MODEL_TYPES = {"llama", "mistral", "qwen2"}
 MATMULS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -55,30 +55,28 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-@contextlib.contextmanager
-def _onednn_disabled():
-    """aten's matmuls skip oneDNN meanwhile (torch.backends.mkldnn.flags, without its side warnings)."""
-    was = torch._C._get_mkldnn_enabled()
-    torch._C._set_mkldnn_enabled(False)
-    try:
-        yield
-    finally:
-        torch._C._set_mkldnn_enabled(was)
-
-
 @dataclass
 class _MatmulSet:
     """The weights one kind of pass multiplies with, and how its layers run over them."""
 
     layers: list[dict]  # per layer: norms and matmul weights (a "<name>_packed" entry wins over F.linear)
-    head: object  # the lm_head: a module or a PackedLinear
+    head: object  # the lm_head: a module, a PackedLinear or a RowLinear
     layer_fn: object  # decoder_layer, or its torch.compile'd twin
-    onednn_off: bool = False  # aten's own GEMV instead of oneDNN for these matmuls
 
 
 def _linear(x, w: dict, name: str):
     packed = w.get(name + "_packed")
     return packed(x) if packed is not None else F.linear(x, w[name], w.get(name + "_bias"))
+
+
+def _window(fn, kind, dtype: torch.dtype, device: str) -> invariant.Rows:
+    """The rows window of a matmul like ``fn``: F.linear (``kind`` None) or packed as (compute, hint)."""
+    if kind is None:
+        return invariant.linear_rows("F.linear", FLinear, dtype, fn.in_features, fn.out_features,
+                                     fn.bias is not None, device)
+    compute, hint = kind
+    return invariant.linear_rows(f"onednn {compute} hint {hint}", lambda w, b: PackedLinear(w, b, compute, hint),
+                                 dtype, fn.in_features, fn.out_features, fn.bias is not None, device)
 
 
 def _qk_v(x, w: dict, B: int, T: int, n_heads: int, n_kv: int, head_dim: int):
@@ -101,12 +99,14 @@ def _mlp(x, w: dict):
     return _linear(F.silu(gate) * up, w, "down")
 
 
-def decoder_layer(h, cos, sin, mask, idx, k_cache, v_cache, w: dict, n_heads: int, n_kv: int, head_dim: int,
-                  eps: float, scaling: float, causal: bool = False, gqa: bool = False):
+def decoder_layer(h, cos, sin, attend, idx, k_cache, v_cache, w: dict, n_heads: int, n_kv: int, head_dim: int,
+                  eps: float, scaling: float, gqa: bool = False):
     """One Llama decoder layer over a block of w tokens, writing its K/V into the static cache.
 
     A pure function of tensors (weights passed in), so ``torch.compile`` compiles it once and every
-    layer reuses the same kernels: compile time does not grow with depth. cos/sin: [B, T, 1, head_dim]."""
+    layer reuses the same kernels: compile time does not grow with depth. cos/sin: [B, T, 1, head_dim].
+    ``attend(q, k_cache, v_cache)``: the width-invariant attention of the pass; None for a prefill
+    from position 0 (SDPA's causal kernel over the prompt, the very call HF makes)."""
     B, T, _ = h.shape
     x = _rms_norm(h, w["ln1"], eps)
     qk, v = _qk_v(x, w, B, T, n_heads, n_kv, head_dim)
@@ -115,10 +115,11 @@ def decoder_layer(h, cos, sin, mask, idx, k_cache, v_cache, w: dict, n_heads: in
     # slower on CPU once B > 1)
     k_cache.transpose(1, 2).index_put_(idx, qk[:, :, n_heads:])
     v_cache.transpose(1, 2).index_put_(idx, v)
-    q, v = qk[:, :, :n_heads].transpose(1, 2), v.transpose(1, 2)
-    # mask None: a one-token step over exactly the live cache, or (causal) a prefill from position 0
-    o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, is_causal=causal,
-                                       scale=scaling, enable_gqa=gqa)
+    q = qk[:, :, :n_heads].transpose(1, 2)
+    if attend is None:
+        o = F.scaled_dot_product_attention(q, k_cache, v_cache, is_causal=T > 1, scale=scaling, enable_gqa=gqa)
+    else:
+        o = attend(q, k_cache, v_cache)
     h = h + _linear(o.transpose(1, 2).reshape(B, T, -1), w, "o")
     return h + _mlp(_rms_norm(h, w["ln2"], eps), w)
 
@@ -157,30 +158,45 @@ class FastLlama:
         self.scaling = inner.layers[0].self_attn.scaling
         p = next(hf_model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        compiled = torch.compile(decoder_layer, dynamic=True) if compile else decoder_layer
+        self.compiled = compile
+        layer_fn = torch.compile(decoder_layer, dynamic=True) if compile else decoder_layer
         self.kernels = "cuda" if self.device.type == "cuda" else "aten (F.linear)"
-        step = block = _MatmulSet(plain, self.lm_head, compiled)
+        # every pass but the prefill (one-token steps, verify blocks, trees, batches) runs the same
+        # kernels, each matmul within the rows window in which this machine keeps it width-invariant
+        layers = [{n + "_packed": FLinear(w[n], w.get(n + "_bias")) for n in MATMULS} | w for w in plain]
+        head, kind = FLinear(self.lm_head.weight, self.lm_head.bias), None
         if self.device.type == "cpu":
             kplan = cpu_kernels.plan(self.dtype, _matmul_bytes(plain, self.lm_head), kernels)
             self.kernels = kplan.name
-            packs = {dt: self._packed(plain, dt, kplan.hint) for dt in {kplan.step_pack, kplan.block_pack} - {None}}
-            # packed sets run eager (oneDNN's opaque ops). Compiled in bf16, one-token steps run the
-            # compiled layer over the plain weights with PyTorch's own bf16 GEMV (fp32 accumulation),
-            # which streams small matrices about twice as fast as oneDNN's bf16 kernels. In float32
-            # packed eager steps beat compiled MKL ones (measured), so compiling changes nothing there.
-            if compile and self.dtype == torch.bfloat16:
-                step = _MatmulSet(plain, self.lm_head, compiled, onednn_off=True)
-                if kplan.step_pack is not None:
-                    self.kernels += " (compiled one-token steps: aten GEMV)"
-            elif kplan.step_pack is not None:
-                step = _MatmulSet(*packs[kplan.step_pack], decoder_layer)
-            if kplan.block_pack is not None:
-                block = _MatmulSet(*packs[kplan.block_pack], decoder_layer)
-        # an uncompiled prefill runs HF's own F.linear calls, so plain decoding starts from the very
-        # cache HF's does: oneDNN's bf16 F.linear of 33+ rows rounds differently from the row-at-a-time
-        # packed kernels (AMX CPUs), and the prefill is paid once a request
-        prefill = block if compile else _MatmulSet(plain, self.lm_head, decoder_layer)
-        self.step_set, self.block_set, self.prefill_set = step, block, prefill
+            # one kernel for steps and blocks alike: where they differed (bf16 without oneDNN bf16),
+            # the blocks' float32 packs serve one-token steps too
+            pack = kplan.block_pack or kplan.step_pack
+            if pack is not None:
+                layers, head = self._packed(plain, pack, kplan.hint)
+                kind = (pack, kplan.hint)
+        windows = {}
+
+        def rowed(fn):
+            shape = (fn.in_features, fn.out_features, fn.bias is not None)
+            if shape not in windows:
+                windows[shape] = _window(fn, kind, self.dtype, self.device.type)
+            return RowLinear(fn, windows[shape])
+
+        if compile:  # the compiled layer over plain weights and attention in PyTorch ops: its own fused
+            # kernels, which the checks do not judge (exact: near-ties)
+            self.pass_set = _MatmulSet(plain, self.lm_head, layer_fn)
+            self.attention = invariant.Attention()
+            self.invariance = {"linears": "compiled", "attention": "compiled"}
+        else:
+            layers = [{n: rowed(f) if n.endswith("_packed") else f for n, f in w.items()} for w in layers]
+            self.pass_set = _MatmulSet(layers, rowed(head), layer_fn)
+            self.attention = invariant.attention_choice(self.dtype, self.n_heads, self.n_kv, self.head_dim,
+                                                        self.device.type)
+            self.invariance = {"linears": invariant.describe_windows(windows), "attention": self.attention.describe()}
+        self._proven = None
+        # the prefill runs HF's own F.linear calls and SDPA's causal kernel over each prompt alone, so
+        # plain decoding starts from the very cache HF's does, whatever else shares the batch
+        self.prefill_set = _MatmulSet(plain, self.lm_head, decoder_layer)
 
     def _packed(self, plain: list[dict], compute: torch.dtype, hint: int):
         """oneDNN-packed copies of every matmul weight (layers and the lm_head) computing in ``compute``.
@@ -221,47 +237,103 @@ class FastLlama:
         query t sees the slots before the block and the block slots s with tree[b, t, s].
         ``taps``: layer ids whose hidden states come back too, as (logits, hidden [B, w, len(taps), H]):
         id L < n_layers is the input of decoder layer L, id n_layers the final normed hidden state
-        (Hugging Face's ``output_hidden_states[L]``)."""
-        B, w = tokens.shape
-        S = keys[0].shape[2]
-        plain = False  # no mask: SDPA's causal prefill or one-token step, the very call HF makes
-        if tokens.device.type == "cpu":
-            # attend over the live part of the cache only (a view): attention work follows the text's
-            # length, not the cache's size. On GPU shapes stay static for CUDA graphs.
-            end = int(write_at.max()) + 1
-            plain = tree is None and B == 1 and (w == 1 or w == end) and int(positions[0, 0]) == end - w
-            S = min(S, end if plain else -(-end // 64) * 64)
-            keys, values = [k[:, :, :S] for k in keys], [v[:, :, :S] for v in values]
-        mask = None
-        if not plain:
-            slots = torch.arange(S, device=tokens.device)[None, None, :]
-            if tree is None:
-                visible = (slots <= positions[:, :, None])[:, None]
-            else:
-                rel = slots - write_at[:, :1, None]  # slot relative to the block's first slot
-                in_block = tree.gather(2, rel.clamp(0, w - 1).expand(B, w, S)) & (rel < w)
-                visible = ((rel < 0) | in_block)[:, None]
-            # an additive float mask: several times faster than a boolean one in CPU SDPA kernels
-            mask = torch.zeros(visible.shape, dtype=self.dtype, device=tokens.device).masked_fill(~visible, float("-inf"))
-        idx = (torch.arange(B, device=tokens.device)[:, None].expand(B, w), write_at)
-        causal = mask is None and w > 1  # a prefill from position 0
-        mm = self.step_set if B * w == 1 else self.prefill_set if causal else self.block_set
-        with _onednn_disabled() if mm.onednn_off else contextlib.nullcontext():
-            return self._body(tokens, positions, idx, keys, values, mask, last_only, causal, mm, layers, taps)
+        (Hugging Face's ``output_hidden_states[L]``).
 
-    def _body(self, tokens, positions, idx, keys, values, mask, last_only: bool, causal: bool, mm: _MatmulSet,
+        Every row gets the bits it would get alone as a one-token step (see ``invariant``): the
+        matmuls run within their rows windows and attention reads each query's keys in text order."""
+        B, w = tokens.shape
+        # on a CPU attention reads the live part of the cache only (its work follows the text's
+        # length); on a GPU shapes stay static for CUDA graphs, so every pass reads the whole cache
+        span = int(write_at.max()) + 1 if tokens.device.type == "cpu" else None
+        visible = None
+        if tree is not None:
+            S = span or keys[0].shape[2]
+            rel = torch.arange(S, device=tokens.device)[None, None, :] - write_at[:, :1, None]  # slot - block start
+            in_block = tree.gather(2, rel.clamp(0, w - 1).expand(B, w, S)) & (rel < w)
+            visible = (rel < 0) | in_block
+            count = visible.sum(-1)
+        else:
+            count = positions + 1
+        layout = invariant.key_layout(count, self.dtype, visible, span=span or keys[0].shape[2])
+        idx = (torch.arange(B, device=tokens.device)[:, None].expand(B, w), write_at)
+        return self._body(tokens, positions, idx, keys, values, layout, last_only, self.pass_set, layers, taps)
+
+    def prefill(self, tokens, keys, values, last_only: bool = False, taps: tuple = ()):
+        """One prompt [1, n] from position 0 into a cache row (views [1, ...]): HF's own computation
+        (causal SDPA over the prompt, HF's F.linear), whatever other rows the cache holds."""
+        n = tokens.shape[1]
+        positions = torch.arange(n, device=tokens.device)[None]
+        idx = (torch.zeros_like(positions), positions)
+        keys, values = [k[:, :, :n] for k in keys], [v[:, :, :n] for v in values]
+        return self._body(tokens, positions, idx, keys, values, None, last_only, self.prefill_set, None, taps)
+
+    @property
+    def exact(self) -> str:
+        """"bitwise" where this device's kernels are proven width-invariant (``proves_invariance``,
+        once), else "near-ties": speculative text may part from plain decoding at a rounding near-tie.
+        A compiled forward fuses its own kernels, which the checks do not see: near-ties."""
+        if self._proven is None:
+            self._proven = not self.compiled and self.proves_invariance()
+        return "bitwise" if self._proven else "near-ties"
+
+    @torch.no_grad()
+    def proves_invariance(self, layers: tuple = (0,)) -> bool:
+        """Whether rows of a verify block, of a token tree and of a batch get the very logits of
+        one-token steps, through this model's own weights on this device (random tokens; the first
+        decoder layer and the LM head, so it costs a few one-layer passes and one prefill a row)."""
+        dev, layers = self.device, list(layers)
+        g = torch.Generator().manual_seed(3)
+        P, W = 70, 12
+        toks = torch.randint(self.embed.num_embeddings, (2, P + W), generator=g).to(dev)
+
+        def run(rows, prompt_lens, block, positions, tree=None, one_by_one=False):
+            keys, values = self.new_cache(len(rows), 256)
+            for b, (r, n) in enumerate(zip(rows, prompt_lens)):
+                self.prefill(toks[r : r + 1, :n], [k[b : b + 1] for k in keys], [v[b : b + 1] for v in values])
+            if one_by_one:
+                return torch.cat([self.forward(block[:, i : i + 1], positions[:, i : i + 1], positions[:, i : i + 1],
+                                               keys, values, layers=layers) for i in range(block.shape[1])], 1)
+            write_at = positions if tree is None else positions[:, :1] + torch.arange(block.shape[1], device=dev)
+            return self.forward(block, positions, write_at, keys, values, layers=layers, tree=tree)
+
+        steps = torch.arange(P, P + W, device=dev)[None]
+        alone = run([0], [P], toks[:1, P:], steps, one_by_one=True)[0]
+        same = torch.equal(run([0], [P], toks[:1, P:], steps)[0], alone)
+        # the same block beside a row with another prompt (its own length) in a batch
+        other = torch.arange(P - 9, P - 9 + W, device=dev)[None]
+        same &= torch.equal(run([1, 0], [P - 9, P], torch.cat([toks[1:, P - 9 : P - 9 + W], toks[:1, P:]]),
+                                torch.cat([other, steps]))[1], alone)
+        # a token tree: the block's tokens as one path, each node with a sibling beside it
+        parents, tokens, path = [-1], [int(toks[0, P])], [0]
+        for i in range(1, W):
+            for sibling in (False, True):
+                parents.append(path[-1])
+                tokens.append(int(toks[1, i]) if sibling else int(toks[0, P + i]))
+            path.append(len(tokens) - 2)
+        n = len(tokens)
+        vis = torch.eye(n, dtype=torch.bool)
+        depth = [0] * n
+        for t in range(1, n):
+            vis[t] |= vis[parents[t]]
+            depth[t] = depth[parents[t]] + 1
+        got = run([0], [P], torch.tensor([tokens], device=dev), P + torch.tensor([depth], device=dev),
+                  tree=vis[None].to(dev))[0]
+        return bool(same and torch.equal(got[path], alone))
+
+    def _body(self, tokens, positions, idx, keys, values, layout: KeyLayout | None, last_only: bool, mm: _MatmulSet,
               layers=None, taps: tuple = ()):
         h = self.embed(tokens)
         freqs = positions[..., None].float() * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.rope_scale).to(h.dtype)[:, :, None]
         sin = (emb.sin() * self.rope_scale).to(h.dtype)[:, :, None]
+        attend = None if layout is None else (lambda q, k, v: self.attention(q, k, v, layout, self.scaling))
         tapped = {}
         for i in range(self.n_layers) if layers is None else layers:
             if i in taps:
                 tapped[i] = h
-            h = mm.layer_fn(h, cos, sin, mask, idx, keys[i], values[i], mm.layers[i], self.n_heads, self.n_kv,
-                            self.head_dim, self.eps, self.scaling, causal, self.gqa)
+            h = mm.layer_fn(h, cos, sin, attend, idx, keys[i], values[i], mm.layers[i], self.n_heads, self.n_kv,
+                            self.head_dim, self.eps, self.scaling, self.gqa)
         h = _rms_norm(h, self.norm.weight, self.eps)
         logits = mm.head(h[:, -1:].contiguous() if last_only else h)  # contiguous: see KVState.append
         if not taps:
@@ -296,6 +368,7 @@ class StaticKVState:
         batch_size, self.size = self.keys[0].shape[0], self.keys[0].shape[2]
         self.ptr = torch.zeros(batch_size, dtype=torch.long, device=fast.device)
         self.step = step or fast.forward
+        self.started = False  # the first append is the prompts' prefill
 
     def block_width(self, width: int, room: int) -> int:
         """Draft columns to verify for ``width`` used ones: padded to a few widths when the forward
@@ -335,12 +408,43 @@ class StaticKVState:
         positions = torch.where(real, self.ptr[:, None] + offset, self.ptr[:, None] + n_real[:, None] + col)
         if int(positions.max()) >= self.size:
             raise RuntimeError("static KV cache is full")  # sized by the engine; a bug if reached
-        if layers is None:
+        if layers is None and not self.started:
+            logits = self._prefill(tokens, n_real, last_only, taps)
+        elif layers is None:
             logits = self.step(tokens, positions, positions, self.keys, self.values, last_only, taps=taps)
         else:
             logits = self.fast.forward(tokens, positions, positions, self.keys, self.values, last_only, layers)
         self.ptr = self.ptr + n_real
         return logits
+
+    def _prefill(self, tokens, n_real, last_only: bool, taps: tuple):
+        """Each row's prompt alone (FastLlama.prefill): its cache and first logits do not depend on
+        the other prompts of the batch. A prompt that an earlier row holds too (n samples of one
+        prompt) is computed once and its cache copied. Outputs are right-aligned, as the padded input was."""
+        B, w = tokens.shape
+        outs, first = [], {}
+        for b, n in enumerate(n_real.tolist()):
+            prompt = tuple(tokens[b, w - n :].tolist())
+            if prompt in first:
+                a = first[prompt]
+                for cache in (*self.keys, *self.values):
+                    cache[b, :, :n] = cache[a, :, :n]
+                outs.append(outs[a])
+                continue
+            first[prompt] = b
+            rows = slice(b, b + 1)
+            outs.append(self.fast.prefill(tokens[rows, w - n :], [k[rows] for k in self.keys],
+                                          [v[rows] for v in self.values], last_only, taps))
+        self.started = True
+
+        def stack(parts):  # right-aligned in w columns (logits of the last token only: one column each)
+            if all(p.shape[1] == parts[0].shape[1] for p in parts):
+                return torch.cat(parts)
+            return torch.cat([F.pad(p, (0, 0) * (p.dim() - 2) + (w - p.shape[1], 0)) for p in parts])
+
+        if not taps:
+            return stack(outs)
+        return stack([o[0] for o in outs]), stack([o[1] for o in outs])
 
     def rollback(self, lengths: torch.Tensor) -> None:
         self.ptr = torch.minimum(self.ptr, lengths.to(self.ptr.device))

@@ -10,10 +10,13 @@ and the keys/values a fresh prefill of its accepted text would give.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 
 import torch
+
+from . import invariant
 
 
 @functools.cache
@@ -28,6 +31,9 @@ class KVState:
         from transformers import DynamicCache
 
         self.model = model
+        # every pass, the prefill too, on the width-invariant kernels: a row's bits do not depend on the
+        # block width or the rows beside it (a model whose attention they cannot run keeps its own)
+        self.invariant = invariant.supports_hf(model)
         self.cache = DynamicCache()
         device = next(model.parameters()).device
         self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
@@ -71,14 +77,15 @@ class KVState:
         kwargs = {"logits_to_keep": torch.tensor([tokens.shape[1] - 1], device=tokens.device)} if last_only else {}
         if taps:
             kwargs["output_hidden_states"] = True
-        out = self.model(
-            input_ids=tokens,
-            attention_mask=attention,
-            position_ids=positions,
-            use_cache=True,
-            **{cache_keyword(type(self.model).forward): self.cache},
-            **kwargs,
-        )
+        with invariant.hf_forward(self.model) if self.invariant else contextlib.nullcontext():
+            out = self.model(
+                input_ids=tokens,
+                attention_mask=attention,
+                position_ids=positions,
+                use_cache=True,
+                **{cache_keyword(type(self.model).forward): self.cache},
+                **kwargs,
+            )
         self.block_start = self.length  # where this block's columns begin (keep_path)
         self.valid = mask
         dev = tokens.device  # a model split across devices (device_map) ends on another one

@@ -1,0 +1,186 @@
+// Width-invariant attention for the CPU: each query over exactly its own keys, in text order.
+//
+// A query's result is computed by operations whose order depends on nothing but that query's key
+// count n: its scores (dot products summed in 16 fixed lanes, then a fixed tree), a float32 softmax
+// summed key after key, and its probability-weighted values summed key after key. So a query gets
+// the same bits whether it is a one-token step, a row of a verify block, a node of a token tree (its
+// keys gathered by ``slots`` into text order) or a row beside other requests: the property
+// speculative decoding needs to keep plain decoding's text, by construction. Queries of one row and
+// kv head are taken together only to read each key once; their sums stay their own.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int LANES = 16;
+constexpr int64_t QUERIES = 8;  // queries a task takes together (each key is read once for them)
+typedef float vf __attribute__((vector_size(LANES * sizeof(float))));  // GCC/Clang vectors: any x86 width
+
+inline vf vload(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+// exp(x) for x <= 0, LANES at a time (Cephes' expf: 2^n times a polynomial), every operation a plain
+// IEEE one (built without contraction), so each lane's value is a function of its x alone
+inline vf exp_vector(vf x) {
+  const vf zero = x - x, lo = zero - 87.0f;
+  x = x < lo ? lo : x;
+  x = x > zero ? zero : x;  // lanes past a query's keys hold other scores: kept finite
+  const vf t = x * 1.44269504088896341f + 0.5f;
+  vf n = __builtin_convertvector(__builtin_convertvector(t, vi), vf);  // toward zero, then down: floor(t)
+  n -= __builtin_convertvector(n > t, vf) * -1.0f;
+  vf r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  vf y = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * (r * r) + r + 1.0f;
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf p;
+  std::memcpy(&p, &bits, sizeof p);
+  return y * p;
+}
+
+constexpr int64_t MAX_D = 256;  // head dims up to this, in whole vectors
+
+template <typename scalar_t>
+void attend_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
+                   const at::Tensor& count, double scale, at::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), g = H / Hkv, W = slots.numel() ? slots.size(2) : 0, S = k.size(2);
+  const int64_t chunks = (T + QUERIES - 1) / QUERIES, C = D / LANES;
+  const auto qa = q.accessor<scalar_t, 4>();
+  const auto ca = count.accessor<int64_t, 2>();
+  const scalar_t* kp = k.data_ptr<scalar_t>();
+  const scalar_t* vp = v.data_ptr<scalar_t>();
+  const int64_t* sp = W ? slots.data_ptr<int64_t>() : nullptr;
+  const int64_t kb = k.stride(0), kh = k.stride(1), ks = k.stride(2);
+  const int64_t vb = v.stride(0), vh = v.stride(1), vs = v.stride(2);
+  auto oa = out.accessor<scalar_t, 4>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B * Hkv * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf, kf, vf_, s, kt(D * LANES), own(D * LANES), row(D);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / (Hkv * chunks), h = (item / chunks) % Hkv, t0 = (item % chunks) * QUERIES;
+      const int64_t tn = std::min(QUERIES, T - t0), R = tn * g;
+      int64_t longest = 0;
+      for (int64_t u = 0; u < tn; ++u) longest = std::max(longest, ca[b][t0 + u]);
+      const int64_t L = std::min(longest, S), L16 = (longest + LANES - 1) / LANES * LANES;
+      const scalar_t* kbase = kp + b * kb + h * kh;
+      const scalar_t* vbase = vp + b * vb + h * vh;
+      // float copies of the keys and values at slots 0..L-1 (where a query's key x is slot x)
+      kf.assign(L16 * D, 0.f);
+      vf_.assign(std::max<int64_t>(L, 1) * D, 0.f);
+      for (int64_t x = 0; x < L; ++x)
+        for (int64_t d = 0; d < D; ++d) {
+          kf[x * D + d] = static_cast<float>(kbase[x * ks + d]);
+          vf_[x * D + d] = static_cast<float>(vbase[x * vs + d]);
+        }
+      qf.resize(R * D);
+      for (int64_t u = 0; u < tn; ++u)
+        for (int64_t j = 0; j < g; ++j)
+          for (int64_t d = 0; d < D; ++d) qf[(u * g + j) * D + d] = static_cast<float>(qa[b][h * g + j][t0 + u][d]);
+      auto slot_of = [&](int64_t u, int64_t x) { return sp ? sp[(b * T + t0 + u) * W + x] : x; };
+      // scores, LANES keys at a time: a key per lane, each summed over d in order
+      s.assign(R * L16, 0.f);
+      for (int64_t x0 = 0; x0 < L16; x0 += LANES) {
+        for (int64_t l = 0; l < LANES; ++l)
+          for (int64_t d = 0; d < D; ++d) kt[d * LANES + l] = kf[(x0 + l) * D + d];
+        for (int64_t u = 0; u < tn; ++u) {
+          const int64_t n = ca[b][t0 + u];
+          if (x0 >= n) continue;
+          const float* keys = kt.data();
+          bool moved = false;
+          for (int64_t l = 0; l < LANES && x0 + l < n; ++l) moved |= slot_of(u, x0 + l) != x0 + l;
+          if (moved) {  // a tree node's own keys past where its path leaves the shared slots
+            std::fill(own.begin(), own.end(), 0.f);
+            for (int64_t l = 0; l < LANES && x0 + l < n; ++l) {
+              const scalar_t* src = kbase + slot_of(u, x0 + l) * ks;
+              for (int64_t d = 0; d < D; ++d) own[d * LANES + l] = static_cast<float>(src[d]);
+            }
+            keys = own.data();
+          }
+          for (int64_t j = 0; j < g; ++j) {
+            const float* qr = qf.data() + (u * g + j) * D;
+            vf acc = {};
+            for (int64_t d = 0; d < D; ++d) acc += qr[d] * vload(keys + d * LANES);
+            acc *= sc;
+            std::memcpy(s.data() + (u * g + j) * L16 + x0, &acc, sizeof acc);
+          }
+        }
+      }
+      for (int64_t u = 0; u < tn; ++u) {
+        const int64_t n = ca[b][t0 + u];
+        for (int64_t j = 0; j < g; ++j) {
+          float* sr = s.data() + (u * g + j) * L16;
+          const int64_t r = u * g + j;
+          if (n <= 0) {  // sees nothing (a padding column): zeros
+            for (int64_t d = 0; d < D; ++d) oa[b][h * g + j][t0 + u][d] = static_cast<scalar_t>(0.f);
+            continue;
+          }
+          float m = sr[0];
+          for (int64_t x = 1; x < n; ++x) m = std::max(m, sr[x]);
+          for (int64_t x = 0; x < n; x += LANES) {  // the row has L16 >= n columns: whole vectors
+            vf e = exp_vector(vload(sr + x) - m);
+            std::memcpy(sr + x, &e, sizeof e);
+          }
+          float total = 0.f;
+          int64_t x = 0;
+          for (; x < n; ++x) total += sr[x];
+          // probability-weighted values, key after key, the output in registers
+          vf acc[MAX_D / LANES] = {};
+          for (x = 0; x < n; ++x) {
+            const int64_t slot = slot_of(u, x);
+            const float* val = vf_.data() + x * D;
+            if (slot != x || x >= L) {
+              const scalar_t* src = vbase + slot * vs;
+              for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(src[d]);
+              val = row.data();
+            }
+            const float w = sr[x];
+            for (int64_t c = 0; c < C; ++c) acc[c] += w * vload(val + c * LANES);
+          }
+          for (int64_t c = 0; c < C; ++c)
+            for (int64_t l = 0; l < LANES; ++l)
+              oa[b][h * g + j][t0 + u][c * LANES + l] = static_cast<scalar_t>(acc[c][l] / total);
+          (void)r;
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// q [B, H, T, D]; k, v [B, Hkv, S, D] with contiguous rows; slots [B, T, W] int64 (query t's key x is
+// slot slots[b, t, x]), or empty where key x is slot x; count [B, T]: keys each query sees.
+at::Tensor attend(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor slots, at::Tensor count, double scale) {
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "attend: keys and values need contiguous rows");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "attend: one dtype");
+  TORCH_CHECK(q.size(3) % LANES == 0 && q.size(3) <= MAX_D, "attend: head dims a multiple of 16, at most 256");
+  auto out = at::empty(q.sizes(), q.options());
+  auto c = count.to(at::kLong).contiguous();
+  auto sl = slots.numel() ? slots.to(at::kLong).contiguous() : slots;
+  if (q.scalar_type() == at::kFloat) {
+    attend_kernel<float>(q, k, v, sl, c, scale, out);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    attend_kernel<at::BFloat16>(q, k, v, sl, c, scale, out);
+  } else if (q.scalar_type() == at::kHalf) {
+    attend_kernel<at::Half>(q, k, v, sl, c, scale, out);
+  } else {
+    TORCH_CHECK(false, "attend: float32, bfloat16 or float16 only");
+  }
+  return out;
+}
