@@ -95,30 +95,29 @@ def main():
 
 
 def run_dtype(a, dev, dtype, name, res, log):
-    if True:
+    t0 = time.time()
+    model = smol(dtype, dev) if not a.quick else tiny_llama(0, layers=2).to(device=dev, dtype=dtype)
+    fast = FastLlama(model)
+    res[f"{name} checks seconds"] = round(time.time() - t0, 2)
+    res[f"{name} kernels"] = fast.invariance
+    t0 = time.time()
+    res[f"{name} proof"] = fast.proves_invariance()
+    res[f"{name} proof seconds"] = round(time.time() - t0, 2)
+    log(f"{name}: {fast.invariance}; proof {res[f'{name} proof']}")
+    if not a.quick:  # plain decoding speed of the SmolLM2 shape, CUDA graphs
+        ps = prompts(model.config.vocab_size)
+        speculant.generate(model, [ps[1]], drafter="none", max_new_tokens=16)
         t0 = time.time()
-        model = smol(dtype, dev) if not a.quick else tiny_llama(0, layers=2).to(device=dev, dtype=dtype)
-        fast = FastLlama(model)
-        res[f"{name} checks seconds"] = round(time.time() - t0, 2)
-        res[f"{name} kernels"] = fast.invariance
-        t0 = time.time()
-        res[f"{name} proof"] = fast.proves_invariance()
-        res[f"{name} proof seconds"] = round(time.time() - t0, 2)
-        log(f"{name}: {fast.invariance}; proof {res[f'{name} proof']}")
-        if not a.quick:  # plain decoding speed of the SmolLM2 shape, CUDA graphs
-            ps = prompts(model.config.vocab_size)
-            speculant.generate(model, [ps[1]], drafter="none", max_new_tokens=16)
-            t0 = time.time()
-            o = speculant.generate(model, [ps[1]], drafter="none", max_new_tokens=128)[0]
-            res[f"{name} smol plain ms/token"] = round((time.time() - t0) / len(o.token_ids) * 1e3, 3)
-            res[f"{name} smol exact"] = o.stats.get("exact")
-            res[f"{name} smol ngram"] = end_to_end(model, {"ngram": lambda: "ngram", "ngram:tree": lambda: "ngram:tree"},
-                                                   32, log)
-            del model, fast
-        tiny = tiny_llama(7, layers=2).to(device=dev, dtype=dtype)
-        drafters = {"ngram": lambda: "ngram", "ngram:tree": lambda: "ngram:tree", "suffix": lambda: "suffix",
-                    "model": lambda: ModelDrafter(perturbed(tiny, 0.3, seed=14))}
-        res[f"{name} tiny"] = end_to_end(tiny, drafters, 40, log)
+        o = speculant.generate(model, [ps[1]], drafter="none", max_new_tokens=128)[0]
+        res[f"{name} smol plain ms/token"] = round((time.time() - t0) / len(o.token_ids) * 1e3, 3)
+        res[f"{name} smol exact"] = o.stats.get("exact")
+        res[f"{name} smol ngram"] = end_to_end(model, {"ngram": lambda: "ngram", "ngram:tree": lambda: "ngram:tree"},
+                                               32, log)
+        del model, fast
+    tiny = tiny_llama(7, layers=2).to(device=dev, dtype=dtype)
+    drafters = {"ngram": lambda: "ngram", "ngram:tree": lambda: "ngram:tree", "suffix": lambda: "suffix",
+                "model": lambda: ModelDrafter(perturbed(tiny, 0.3, seed=14))}
+    res[f"{name} tiny"] = end_to_end(tiny, drafters, 40, log)
 
 
 if __name__ == "__main__":

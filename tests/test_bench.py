@@ -136,6 +136,24 @@ def test_fake_engine_patterns_give_known_alpha_tau_and_histogram():
     assert none["acceptance_rate"] is None and none["mean_accepted_tokens"] == 1.0
 
 
+def test_speculation_is_held_to_plain_decoding_and_plain_decoding_to_hf_generate():
+    """Speculation promises plain decoding's text (speculant none), whatever that is; where plain
+    decoding parts from HF generate (bf16 rounding near-ties) that is listed apart, not as a
+    speculation mismatch."""
+    hf, ours, off = [5, 6, 7, 8], [5, 6, 9, 8], [5, 6, 9, 1]
+    recs = [record(HF_GENERATE, [row(0, "x", hf)], 1.0), record(SPECULANT_NONE, [row(0, "x", ours)], 1.0),
+            record("speculant good", [row(0, "x", ours)], 1.0, gamma=2),
+            record("speculant bad", [row(0, "x", off)], 1.0, gamma=2)]
+    summary = summarize(recs)
+    assert find(summary, method="speculant good", category=ALL)[0]["identical"] == "yes"
+    assert find(summary, method="speculant bad", category=ALL)[0]["identical"] == "NO (1 of 1 differ)"
+    assert find(summary, method=SPECULANT_NONE, category=ALL)[0]["identical"] == "NO (1 of 1 differ)"
+    bad = mismatches(recs)
+    assert [(m["method"], m["reference"], m["first_divergence"]) for m in bad] == [("speculant bad", SPECULANT_NONE, 3)]
+    plain = mismatches(recs, plain=True)
+    assert [(m["method"], m["reference"], m["first_divergence"]) for m in plain] == [(SPECULANT_NONE, HF_GENERATE, 2)]
+
+
 def test_a_mismatch_is_shown_loudly_and_sampling_is_not_compared(tmp_path):
     ref, bad = [5, 6, 7, 8], [5, 6, 9, 8]
     recs = [

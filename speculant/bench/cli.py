@@ -143,7 +143,7 @@ def cmd_bench(args) -> int:
     bad = mismatches(records)
     for m in bad:
         print(f"speculant bench: OUTPUT MISMATCH: {m['method']} (γ={m['gamma']}, batch {m['batch_size']}) "
-              f"prompt {m['prompt_id']} [{m['category']}] differs from HF generate at new token "
+              f"prompt {m['prompt_id']} [{m['category']}] differs from {m['reference']} at new token "
               f"{m['first_divergence']}: {m['reference_token']} vs {m['got_token']}", file=sys.stderr)
     print(f"speculant bench: results in {out_dir}/ ({', '.join(sorted(p.name for p in files.values()))})",
           file=sys.stderr)

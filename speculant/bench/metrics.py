@@ -9,7 +9,11 @@ Definitions (per method, setting and category; pooled over prompts and repeats):
   methods the passes are counted with a forward hook on the target)
 - acceptance by position j: the mean over prompts of each prompt's acceptance at draft position j
   (prompts that never drafted position j are left out)
-- identical: greedy output equal to HF ``generate``'s (batch 1) token for token, prompt by prompt
+- identical: greedy output equal to its reference's (batch 1) token for token, prompt by prompt:
+  a speculant method's is ``speculant none`` (plain decoding through the same engine, dtype and
+  kernels: speculation promises its text bit for bit), any other method's HF ``generate``'s.
+  ``speculant none`` itself is held to HF ``generate`` (in bf16 it parts from HF's own kernels at
+  rounding near-ties: ``plain_vs_hf``)
 """
 from __future__ import annotations
 
@@ -24,11 +28,11 @@ def setting_key(rec: dict) -> tuple:
     return (rec["method"], rec["gamma"], float(rec["temperature"]), int(rec["batch_size"]))
 
 
-def greedy_reference(records: list[dict]) -> dict[int, list[int]]:
-    """prompt id -> HF generate's greedy batch-1 output (first repeat)."""
+def greedy_reference(records: list[dict], method: str = HF_GENERATE) -> dict[int, list[int]]:
+    """prompt id -> ``method``'s greedy batch-1 output (first repeat)."""
     ref: dict[int, list[int]] = {}
     for rec in records:
-        if rec["method"] == HF_GENERATE and rec["temperature"] == 0 and rec["batch_size"] == 1:
+        if rec["method"] == method and rec["temperature"] == 0 and rec["batch_size"] == 1:
             for row in rec["rows"]:
                 ref.setdefault(row["prompt_id"], row["token_ids"])
     return ref
@@ -42,13 +46,26 @@ def first_divergence(ref: list[int], got: list[int]) -> int | None:
     return None if len(ref) == len(got) else min(len(ref), len(got))
 
 
-def mismatches(records: list[dict]) -> list[dict]:
-    """Every greedy row whose output differs from HF generate's: never averaged away."""
-    ref = greedy_reference(records)
+def references(records: list[dict]) -> dict[str, dict[int, list[int]]]:
+    return {m: greedy_reference(records, m) for m in (HF_GENERATE, SPECULANT_NONE)}
+
+
+def reference_of(method: str, refs: dict) -> tuple[str, dict]:
+    """The output a method must reproduce: plain decoding for speculation, HF generate otherwise."""
+    if method.startswith("speculant") and method != SPECULANT_NONE and refs[SPECULANT_NONE]:
+        return SPECULANT_NONE, refs[SPECULANT_NONE]
+    return HF_GENERATE, refs[HF_GENERATE]
+
+
+def mismatches(records: list[dict], plain: bool = False) -> list[dict]:
+    """Every greedy row whose output differs from its reference's (``reference_of``): never averaged
+    away. ``plain``: instead, the rows of ``speculant none`` that differ from HF generate's."""
+    refs = references(records)
     out = []
     for rec in records:
-        if rec["temperature"] != 0:
+        if rec["temperature"] != 0 or (rec["method"] == SPECULANT_NONE) != plain:
             continue
+        name, ref = reference_of(rec["method"], refs)
         for row in rec["rows"]:
             want = ref.get(row["prompt_id"])
             if want is None:
@@ -56,7 +73,7 @@ def mismatches(records: list[dict]) -> list[dict]:
             k = first_divergence(want, row["token_ids"])
             if k is not None:
                 out.append({
-                    "method": rec["method"], "gamma": rec["gamma"], "batch_size": rec["batch_size"],
+                    "method": rec["method"], "reference": name, "gamma": rec["gamma"], "batch_size": rec["batch_size"],
                     "repeat": rec.get("repeat"), "prompt_id": row["prompt_id"], "category": row["category"],
                     "first_divergence": k,
                     "reference_token": want[k] if k < len(want) else None,
@@ -130,7 +147,7 @@ def _group_metrics(recs: list[dict], rows: list[dict], ref: dict) -> dict:
 def summarize(records: list[dict]) -> list[dict]:
     """One summary row per (method, γ, temperature, batch size, category), plus category ``all``.
     Per-category rows only at batch size 1 (a batched call's time is not split by category)."""
-    ref = greedy_reference(records)
+    refs = references(records)
     by_setting: dict[tuple, list[dict]] = defaultdict(list)
     for rec in records:
         by_setting[setting_key(rec)].append(rec)
@@ -147,7 +164,7 @@ def summarize(records: list[dict]) -> list[dict]:
             s = {"method": method, "kind": recs[0]["kind"], "drafter": recs[0]["drafter"], "gamma": gamma,
                  "gamma_used": recs[0]["gamma_used"], "temperature": temperature, "batch_size": batch,
                  "category": category}
-            s.update(_group_metrics(crecs, rows, ref))
+            s.update(_group_metrics(crecs, rows, reference_of(method, refs)[1]))
             summary.append(s)
     index = {(s["method"], s["temperature"], s["batch_size"], s["category"]): s for s in summary
              if s["method"] in (HF_GENERATE, SPECULANT_NONE)}

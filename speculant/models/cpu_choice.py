@@ -2,9 +2,10 @@
 drafter that will run, among those that keep speculant's exactness promise, measured once and cached.
 
 Candidates, each on the fast path where the architecture has one (else the general path), uncompiled:
-- float32: greedy output token-identical to HF ``generate`` in float32;
-- bfloat16: plain decoding bit-identical to HF ``generate`` in bfloat16 (speculative output may
-  leave it at near-ties: a verify block rounds otherwise than one-token steps).
+- float32: speculative output bit-identical to plain decoding, which is HF ``generate``'s token for
+  token in float32;
+- bfloat16: speculative output bit-identical to plain decoding, which parts from HF ``generate``
+  in bfloat16 only at rounding near-ties (width-invariant kernels: see ``invariant``).
 
 Which wins depends on the CPU and on the drafter. With oneDNN bf16 (AVX-512) bf16 streams half the
 bytes at full speed, one-token steps and verify blocks alike. On AVX2-only CPUs bf16 one-token steps
@@ -135,7 +136,7 @@ def measure(spec: str, drafter: str | None = "none", rounds: int = 2, log=lambda
 
 
 # bfloat16 must be this much faster to be chosen: float32's greedy output is HF's token for token
-# (bf16's may leave it at near-ties), and a smaller gap is within a busy machine's noise (measured
+# (bf16's parts from HF's at near-ties), and a smaller gap is within a busy machine's noise (measured
 # beside another process: bf16 1030.5 against float32 1037.1 ms a token, then 2.5x slower in use)
 BF16_MUST_WIN_BY = 0.10
 

@@ -6,10 +6,10 @@ Decoding and verification then skip ``F.linear``'s per-call work and, in float32
 
 - float32: oneDNN in the torch build (any x86-64 CPU).
 - bfloat16: oneDNN *and* a CPU with AVX-512 (bw, vl, dq) or AVX-NE-CONVERT. On AVX2-only CPUs
-  oneDNN refuses bf16 weights; there one-token steps keep ``F.linear`` (PyTorch's bf16 GEMV, the
-  very kernel HF's bf16 decoding runs, so plain decoding stays bit for bit HF's) and blocks of more
-  than one token, which that GEMV would run row by row (cost linear in the width), go through
-  float32 oneDNN-packed copies of the bf16 weights (exact upcast, fp32 accumulation, rounded back).
+  oneDNN refuses bf16 weights; there the prefill keeps ``F.linear`` (PyTorch's bf16 GEMV, HF's
+  kernel) and every other pass, one-token steps and blocks alike (whose rows must round alike),
+  goes through float32 oneDNN-packed copies of the bf16 weights (exact upcast, fp32 accumulation,
+  rounded back): PyTorch's GEMV would run a block row by row (cost linear in the width).
 
 ``SPECULANT_CPU_KERNELS`` (or ``kernels=``) overrides the choice: ``onednn`` (pack, or fail with
 one line where the CPU cannot), ``fp32-blocks`` (what bf16 gets without oneDNN bf16: one-token steps
@@ -81,7 +81,8 @@ class PackedLinear:
     ``compute``: the dtype oneDNN multiplies in (the weight's own by default). A bf16 weight packed
     as float32 computes on the exact upcast and returns bf16 (for CPUs without oneDNN bf16).
     ``hint``: the batch size oneDNN picks its blocking for; 1 keeps bf16 results the same bits as
-    ``F.linear`` (tested), 8 serves the 1-16 token blocks of decoding best in float32 (measured)."""
+    ``F.linear`` (tested), 8 serves the 1-16 token blocks of decoding best in float32 (measured).
+    Which numbers of rows a call may hold so that each row's bits stay its own: ``invariant``."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, compute: torch.dtype | None = None,
                  hint: int = 1):

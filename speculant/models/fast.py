@@ -7,8 +7,10 @@ preallocated static KV cache with a length pointer per row (gpt-fast style).
 - Every step has static shapes (batch, block width, cache size), so the decode step and each
   (γ+1)-token verification step can be captured as CUDA graphs (``torch.compile``,
   mode="reduce-overhead") or compiled for the CPU.
-- The math follows transformers' Llama modules op for op (float32 RMSNorm statistics, rotary
-  tables cast to the activation dtype, SDPA attention), so greedy output matches ``generate``.
+- The math follows transformers' Llama modules (float32 RMSNorm statistics, rotary tables cast to
+  the activation dtype); the prefill is HF's own computation (SDPA, ``F.linear``), and every other
+  pass runs width-invariant kernels (``invariant``): a row gets the bits a one-token step gives
+  it in any block, tree or batch, so speculative text is plain decoding's bit for bit.
 
 Supported: model types whose decoder layer is Llama's (llama, mistral without sliding window,
 qwen2, smollm): see ``supports``. Anything else runs on the general path (``KVState``).

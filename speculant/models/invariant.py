@@ -355,6 +355,12 @@ class Attention:
         return f"chains {one(*self.chain)}; trees {one(*self.tree)}"
 
 
+def _cpu_kernel():
+    from . import cpu_attention
+
+    return cpu_attention.kernel()
+
+
 def _attend_kernel(q, keys, values, layout: KeyLayout, scaling: float, rows: Rows = WIDE):
     """The compiled CPU kernel (cpu_attention): each query alone by construction."""
     from . import cpu_attention
@@ -432,7 +438,8 @@ def attention_choice(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: in
     """The cheapest attention this machine's kernels keep width-invariant for this shape, for chains
     and for trees: all queries at once (the matmuls within the first rows window that holds), in
     fixed-shape tiles, else each query alone (exact by construction)."""
-    return _checked(("attention", dtype, heads, kv_heads, head_dim, device), device,
+    compiled = device == "cpu" and _cpu_kernel() is not None  # a choice made with the kernel needs it
+    return _checked(("attention", dtype, heads, kv_heads, head_dim, device, compiled), device,
                     lambda: _choose_attention(dtype, heads, kv_heads, head_dim, device),
                     lambda a: [[a.chain[0], a.chain[1].lo, a.chain[1].hi], [a.tree[0], a.tree[1].lo, a.tree[1].hi]],
                     lambda e: Attention((e[0][0], Rows(*e[0][1:])), (e[1][0], Rows(*e[1][1:]))))
@@ -441,11 +448,8 @@ def attention_choice(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: in
 def _choose_attention(dtype, heads, kv_heads, head_dim, device) -> Attention:
     """Chains first (one-token steps are chains of one: every mode is judged against them), then trees."""
     candidates = [("tiled", rows) for rows in WINDOWS] + [("batched", rows) for rows in WINDOWS]
-    if device == "cpu" and head_dim % 16 == 0 and head_dim <= 256:
-        from . import cpu_attention
-
-        if cpu_attention.kernel() is not None:  # exact by construction; the check runs all the same
-            candidates.insert(0, ("kernel", WIDE))
+    if device == "cpu" and head_dim % 16 == 0 and head_dim <= 256 and _cpu_kernel() is not None:
+        candidates.insert(0, ("kernel", WIDE))  # exact by construction; the check runs all the same
 
     def holds(chain, tree, kind):
         try:
