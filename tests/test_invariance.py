@@ -177,6 +177,30 @@ def test_the_proof_fails_for_a_width_dependent_forward(monkeypatch):
     assert not fast.proves_invariance()
 
 
+def test_a_norm_whose_sum_follows_the_rows_is_fenced_into_a_window(monkeypatch):
+    """As CUDA's float32 mean does from 13 rows up: the norms' check finds a window, and the whole
+    forward is width-invariant again; without the window the proof fails."""
+    import speculant.models.fast as fast_module
+
+    plain = fast_module._rms_norm
+
+    def blocky(x, weight, eps, rows=None):
+        if rows is not None and not (rows.lo == 1 and x.numel() <= rows.hi * x.shape[-1]):
+            return RowLinear(lambda t: blocky(t, weight, eps), rows)(x)
+        out = plain(x, weight, eps)
+        return out * 1.01 if x.numel() > 12 * x.shape[-1] else out
+
+    monkeypatch.setattr(fast_module, "_rms_norm", blocky)
+    monkeypatch.setattr(invariant, "_WINDOWS", {})
+    monkeypatch.setattr(invariant, "_checked", lambda key, device, run, encode, decode: run())
+    fast = FastLlama(tiny_llama(3, layers=2).to(BF16))
+    assert fast.invariance["norms"] == "16-64 rows a call"
+    assert fast.proves_invariance(layers=(0, 1))
+    for w in fast.pass_set.layers:
+        w["norm_rows"] = Rows(1, 64)
+    assert not fast.proves_invariance(layers=(0, 1))
+
+
 def test_general_path_rows_of_a_batch_get_their_bits_alone():
     target = tiny_llama(5, layers=2).to(BF16)
     g = torch.Generator().manual_seed(1)

@@ -45,7 +45,11 @@ def supports(model: torch.nn.Module) -> tuple[bool, str]:
     return True, ""
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rows=None) -> torch.Tensor:
+    """HF's RMSNorm; ``rows``: the calls' rows window (a CUDA reduction orders a row's sum by how many
+    rows the call holds: float32 on an H200 from 13 rows up)."""
+    if rows is not None and not (rows.lo == 1 and x.numel() <= rows.hi * x.shape[-1]):
+        return RowLinear(lambda t: _rms_norm(t, weight, eps), rows)(x)
     dtype = x.dtype
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -110,7 +114,7 @@ def decoder_layer(h, cos, sin, attend, idx, k_cache, v_cache, w: dict, n_heads: 
     ``attend(q, k_cache, v_cache)``: the width-invariant attention of the pass; None for a prefill
     from position 0 (SDPA's causal kernel over the prompt, the very call HF makes)."""
     B, T, _ = h.shape
-    x = _rms_norm(h, w["ln1"], eps)
+    x = _rms_norm(h, w["ln1"], eps, w.get("norm_rows"))
     qk, v = _qk_v(x, w, B, T, n_heads, n_kv, head_dim)
     qk = qk * cos + _rotate_half(qk) * sin  # elementwise: the same values as HF's separate q and k passes
     # idx = (rows, slots) [B, T]: advanced-index writes (scatter_ along the slot axis runs ~100x
@@ -123,7 +127,7 @@ def decoder_layer(h, cos, sin, attend, idx, k_cache, v_cache, w: dict, n_heads: 
     else:
         o = attend(q, k_cache, v_cache)
     h = h + _linear(o.transpose(1, 2).reshape(B, T, -1), w, "o")
-    return h + _mlp(_rms_norm(h, w["ln2"], eps), w)
+    return h + _mlp(_rms_norm(h, w["ln2"], eps, w.get("norm_rows")), w)
 
 
 class FastLlama:
@@ -190,11 +194,16 @@ class FastLlama:
             self.attention = invariant.Attention()
             self.invariance = {"linears": "compiled", "attention": "compiled"}
         else:
-            layers = [{n: rowed(f) if n.endswith("_packed") else f for n, f in w.items()} for w in layers]
+            # the norms' window, found as a matmul's (the weight here is just its size)
+            norm_rows = invariant.linear_rows(f"rms_norm eps {self.eps}", lambda w, b: lambda t: _rms_norm(t, w[0], self.eps),
+                                              self.dtype, cfg.hidden_size, cfg.hidden_size, False, self.device.type)
+            layers = [{n: rowed(f) if n.endswith("_packed") else f for n, f in w.items()} | {"norm_rows": norm_rows}
+                      for w in layers]
             self.pass_set = _MatmulSet(layers, rowed(head), layer_fn)
             self.attention = invariant.attention_choice(self.dtype, self.n_heads, self.n_kv, self.head_dim,
                                                         self.device.type)
-            self.invariance = {"linears": invariant.describe_windows(windows), "attention": self.attention.describe()}
+            self.invariance = {"linears": invariant.describe_windows(windows), "attention": self.attention.describe(),
+                               "norms": norm_rows.describe()}
         self._proven = None
         # the prefill runs HF's own F.linear calls and SDPA's causal kernel over each prompt alone, so
         # plain decoding starts from the very cache HF's does, whatever else shares the batch
@@ -336,7 +345,7 @@ class FastLlama:
                 tapped[i] = h
             h = mm.layer_fn(h, cos, sin, attend, idx, keys[i], values[i], mm.layers[i], self.n_heads, self.n_kv,
                             self.head_dim, self.eps, self.scaling, self.gqa)
-        h = _rms_norm(h, self.norm.weight, self.eps)
+        h = _rms_norm(h, self.norm.weight, self.eps, mm.layers[0].get("norm_rows"))
         logits = mm.head(h[:, -1:].contiguous() if last_only else h)  # contiguous: see KVState.append
         if not taps:
             return logits

@@ -7,21 +7,23 @@ for free: a matmul kernel may sum a dot product in another order for 16 rows tha
 bf16 GEMM on an AVX512-BF16 EPYC does for 1,536 inputs: one row differs from two or more), and an
 attention kernel may split its keys or lanes by the number of queries or keys. Near-ties then flip.
 
-What this module gives, each checked once per machine on random data (``functools.cache``):
+What this module gives, each checked once per machine and shape on random data (the results kept
+in ``checks_file()``):
 
 - ``Rows(lo, hi)``: a matmul is called with ``lo``..``hi`` (at most 64) rows only, fewer padded with
   zero rows, more cut into calls of ``hi``: a window in which the check found every row's bits equal
   to a one-row call's, whatever the width and the row's place in the call. ``Rows(1, 1)`` (a call a
   row) is exact by construction: the fallback where no window holds.
-- ``attention``: HF's eager formula (bf16 scores, softmax in float32, bf16 probabilities times V)
-  over each query's visible keys laid out in *text order*: slot j holds the key at position j, and
-  a tree node's keys are gathered to prefix + its path, so every reduction over keys sees a node's
-  keys in the lanes its path decoded token by token gives them. Key columns are padded to a multiple
-  of 64 (at least 64) with masked ones, so a reduction never takes a different vector/scalar route
-  for a short row. Where the batched kernels of this machine fail the check, each query runs alone
-  (``per-query``), which is the one-token computation itself.
+- ``Attention``: softmax attention over each query's visible keys in *text order* (a tree node's
+  keys gathered to prefix + its path: ``KeyLayout``), so every sum over keys meets a node's keys as
+  its path decoded token by token does. On a CPU the compiled kernel (``cpu_attention``) computes
+  each query alone, exact by construction; else, in PyTorch ops, HF's eager formula in one matmul
+  (``batched``) or in 64-key blocks summed in order (``tiled``), each query's row padded to at least
+  a block so that no reduction takes another route for a short row, whichever the check finds
+  invariant for chains and for trees; failing all, each query alone (``per-query``).
 
-The one-token step runs these very functions with one row, so plain decoding is their reference.
+One-token steps run these very functions with one row, so plain decoding is their reference; the
+general path (``hf_forward``) puts them under a Hugging Face model's own forward.
 """
 from __future__ import annotations
 

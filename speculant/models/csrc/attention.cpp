@@ -71,7 +71,7 @@ void attend_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   auto oa = out.accessor<scalar_t, 4>();
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, B * Hkv * chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, kf, vf_, s, kt(D * LANES), own(D * LANES), row(D);
+    std::vector<float> qf, kf, vf_, s, kt(D * LANES), own(D * LANES), row(D), total(g);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / (Hkv * chunks), h = (item / chunks) % Hkv, t0 = (item % chunks) * QUERIES;
       const int64_t tn = std::min(QUERIES, T - t0), R = tn * g;
@@ -88,60 +88,87 @@ void attend_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
           kf[x * D + d] = static_cast<float>(kbase[x * ks + d]);
           vf_[x * D + d] = static_cast<float>(vbase[x * vs + d]);
         }
-      qf.resize(R * D);
+      qf.assign((R + 3) * D, 0.f);  // rows R.. stay zero: the padding of the last group of four
       for (int64_t u = 0; u < tn; ++u)
         for (int64_t j = 0; j < g; ++j)
           for (int64_t d = 0; d < D; ++d) qf[(u * g + j) * D + d] = static_cast<float>(qa[b][h * g + j][t0 + u][d]);
       auto slot_of = [&](int64_t u, int64_t x) { return sp ? sp[(b * T + t0 + u) * W + x] : x; };
-      // scores, LANES keys at a time: a key per lane, each summed over d in order
-      s.assign(R * L16, 0.f);
+      // scores, LANES keys at a time: a key per lane, each summed over d in order. Rows (query, head)
+      // go four at a time (padded with a zero row), so every row runs the very same instructions.
+      s.assign((R + 3) * L16, 0.f);
+      std::vector<int64_t> rows_shared, rows_own;
+      auto score_rows = [&](const std::vector<int64_t>& rows, const float* keys, int64_t x0) {
+        for (size_t i = 0; i < rows.size(); i += 4) {
+          const float* qr[4];
+          int64_t to[4];
+          for (int64_t k4 = 0; k4 < 4; ++k4) {
+            const bool real = i + k4 < rows.size();
+            qr[k4] = qf.data() + (real ? rows[i + k4] : R) * D;  // row R..R+2: zeros
+            to[k4] = real ? rows[i + k4] : R;
+          }
+          vf a0 = {}, a1 = {}, a2 = {}, a3 = {};
+          for (int64_t d = 0; d < D; ++d) {
+            const vf kd = vload(keys + d * LANES);
+            a0 += qr[0][d] * kd;
+            a1 += qr[1][d] * kd;
+            a2 += qr[2][d] * kd;
+            a3 += qr[3][d] * kd;
+          }
+          vf out[4] = {a0 * sc, a1 * sc, a2 * sc, a3 * sc};
+          for (int64_t k4 = 0; k4 < 4; ++k4) std::memcpy(s.data() + to[k4] * L16 + x0, &out[k4], sizeof(vf));
+        }
+      };
       for (int64_t x0 = 0; x0 < L16; x0 += LANES) {
         for (int64_t l = 0; l < LANES; ++l)
           for (int64_t d = 0; d < D; ++d) kt[d * LANES + l] = kf[(x0 + l) * D + d];
+        rows_shared.clear();
         for (int64_t u = 0; u < tn; ++u) {
           const int64_t n = ca[b][t0 + u];
           if (x0 >= n) continue;
-          const float* keys = kt.data();
           bool moved = false;
           for (int64_t l = 0; l < LANES && x0 + l < n; ++l) moved |= slot_of(u, x0 + l) != x0 + l;
-          if (moved) {  // a tree node's own keys past where its path leaves the shared slots
-            std::fill(own.begin(), own.end(), 0.f);
-            for (int64_t l = 0; l < LANES && x0 + l < n; ++l) {
-              const scalar_t* src = kbase + slot_of(u, x0 + l) * ks;
-              for (int64_t d = 0; d < D; ++d) own[d * LANES + l] = static_cast<float>(src[d]);
-            }
-            keys = own.data();
+          if (!moved) {
+            for (int64_t j = 0; j < g; ++j) rows_shared.push_back(u * g + j);
+            continue;
           }
-          for (int64_t j = 0; j < g; ++j) {
-            const float* qr = qf.data() + (u * g + j) * D;
-            vf acc = {};
-            for (int64_t d = 0; d < D; ++d) acc += qr[d] * vload(keys + d * LANES);
-            acc *= sc;
-            std::memcpy(s.data() + (u * g + j) * L16 + x0, &acc, sizeof acc);
+          // a tree node's own keys past where its path leaves the shared slots
+          std::fill(own.begin(), own.end(), 0.f);
+          for (int64_t l = 0; l < LANES && x0 + l < n; ++l) {
+            const scalar_t* src = kbase + slot_of(u, x0 + l) * ks;
+            for (int64_t d = 0; d < D; ++d) own[d * LANES + l] = static_cast<float>(src[d]);
           }
+          rows_own.clear();
+          for (int64_t j = 0; j < g; ++j) rows_own.push_back(u * g + j);
+          score_rows(rows_own, own.data(), x0);
         }
+        score_rows(rows_shared, kt.data(), x0);
       }
       for (int64_t u = 0; u < tn; ++u) {
         const int64_t n = ca[b][t0 + u];
-        for (int64_t j = 0; j < g; ++j) {
-          float* sr = s.data() + (u * g + j) * L16;
-          const int64_t r = u * g + j;
-          if (n <= 0) {  // sees nothing (a padding column): zeros
+        if (n <= 0) {  // sees nothing (a padding column): zeros
+          for (int64_t j = 0; j < g; ++j)
             for (int64_t d = 0; d < D; ++d) oa[b][h * g + j][t0 + u][d] = static_cast<scalar_t>(0.f);
-            continue;
-          }
+          continue;
+        }
+        for (int64_t j = 0; j < g; ++j) {  // each (query, head): its max, exps and their sum, in order
+          float* sr = s.data() + (u * g + j) * L16;
           float m = sr[0];
           for (int64_t x = 1; x < n; ++x) m = std::max(m, sr[x]);
           for (int64_t x = 0; x < n; x += LANES) {  // the row has L16 >= n columns: whole vectors
             vf e = exp_vector(vload(sr + x) - m);
             std::memcpy(sr + x, &e, sizeof e);
           }
-          float total = 0.f;
-          int64_t x = 0;
-          for (; x < n; ++x) total += sr[x];
-          // probability-weighted values, key after key, the output in registers
-          vf acc[MAX_D / LANES] = {};
-          for (x = 0; x < n; ++x) {
+          float l = 0.f;
+          for (int64_t x = 0; x < n; ++x) l += sr[x];
+          total[j] = l;
+        }
+        // probability-weighted values, key after key, two heads at a time (a zero weight pads the
+        // last pair), the outputs in registers
+        for (int64_t j = 0; j < g; j += 2) {
+          const float* w0 = s.data() + (u * g + j) * L16;
+          const float* w1 = j + 1 < g ? w0 + L16 : nullptr;
+          vf acc0[MAX_D / LANES] = {}, acc1[MAX_D / LANES] = {};
+          for (int64_t x = 0; x < n; ++x) {
             const int64_t slot = slot_of(u, x);
             const float* val = vf_.data() + x * D;
             if (slot != x || x >= L) {
@@ -149,13 +176,19 @@ void attend_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
               for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(src[d]);
               val = row.data();
             }
-            const float w = sr[x];
-            for (int64_t c = 0; c < C; ++c) acc[c] += w * vload(val + c * LANES);
+            const float p0 = w0[x], p1 = w1 ? w1[x] : 0.f;
+            for (int64_t c = 0; c < C; ++c) {
+              const vf vc = vload(val + c * LANES);
+              acc0[c] += p0 * vc;
+              acc1[c] += p1 * vc;
+            }
           }
-          for (int64_t c = 0; c < C; ++c)
-            for (int64_t l = 0; l < LANES; ++l)
-              oa[b][h * g + j][t0 + u][c * LANES + l] = static_cast<scalar_t>(acc[c][l] / total);
-          (void)r;
+          for (int64_t i = 0; i < 2 && j + i < g; ++i) {
+            const vf* acc = i ? acc1 : acc0;
+            for (int64_t c = 0; c < C; ++c)
+              for (int64_t lane = 0; lane < LANES; ++lane)
+                oa[b][h * g + j + i][t0 + u][c * LANES + lane] = static_cast<scalar_t>(acc[c][lane] / total[j + i]);
+          }
         }
       }
     }
