@@ -166,6 +166,22 @@ def test_blocks_trees_and_batches_get_one_token_steps_logits(dtype, kernels):
     assert fast.exact == "bitwise"
 
 
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_blocks_trees_and_batches_keep_their_bits_with_attention_in_pytorch_ops(dtype, monkeypatch):
+    """Where no compiler builds the attention kernel, the modes this machine's check picks in PyTorch
+    ops keep the whole forward invariant (head dims the kernel takes and one it does not)."""
+    monkeypatch.setattr(invariant, "_cpu_kernel", lambda: None)
+    monkeypatch.setattr(invariant, "_checked", lambda key, device, run, encode, decode: run())
+    invariant.attention_choice.cache_clear()
+    try:
+        for hidden in (64, 32):  # head dims 16 and 8
+            fast = FastLlama(tiny_llama(3, layers=2, hidden=hidden).to(dtype))
+            assert "compiled" not in fast.invariance["attention"]
+            assert fast.proves_invariance(layers=(0, 1)), fast.invariance
+    finally:
+        invariant.attention_choice.cache_clear()
+
+
 def test_the_proof_fails_for_a_width_dependent_forward(monkeypatch):
     fast = FastLlama(tiny_llama(3, layers=2).to(BF16))
 

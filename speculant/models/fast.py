@@ -255,17 +255,17 @@ class FastLlama:
         B, w = tokens.shape
         # on a CPU attention reads the live part of the cache only (its work follows the text's
         # length); on a GPU shapes stay static for CUDA graphs, so every pass reads the whole cache
-        span = int(write_at.max()) + 1 if tokens.device.type == "cpu" else None
+        static = tokens.device.type != "cpu"
+        S = keys[0].shape[2] if static else int(write_at.max()) + 1
         visible = None
         if tree is not None:
-            S = span or keys[0].shape[2]
             rel = torch.arange(S, device=tokens.device)[None, None, :] - write_at[:, :1, None]  # slot - block start
             in_block = tree.gather(2, rel.clamp(0, w - 1).expand(B, w, S)) & (rel < w)
             visible = (rel < 0) | in_block
             count = visible.sum(-1)
         else:
             count = positions + 1
-        layout = invariant.key_layout(count, self.dtype, visible, span=span or keys[0].shape[2])
+        layout = invariant.key_layout(count, self.dtype, visible, span=S if static else None)
         idx = (torch.arange(B, device=tokens.device)[:, None].expand(B, w), write_at)
         return self._body(tokens, positions, idx, keys, values, layout, last_only, self.pass_set, layers, taps)
 
