@@ -9,6 +9,7 @@ import torch
 from .drafters import Drafter, ModelDrafter, default_drafter, make_drafter, validate_drafter_spec
 from .engine import Batch, Engine, Request, Row
 from .errors import SpeculantError
+from .limits import MAX_GAMMA, MAX_LOGPROBS, MEMORY_SHARE, SEED_RANGE, check_int, check_stop, check_text, gib, memory_needed
 from .models.backend import PATHS, Backend
 from .models.cpu_choice import choose as choose_cpu_dtype
 from .models.loading import LoadedModel, load_model, resolve_device
@@ -27,11 +28,11 @@ class Output:
     logprobs: list[dict] | None = None  # per token: {"token", "logprob", "top": [[id, logprob], ...]}
 
 
-def check_gamma(gamma) -> int | str:
+def check_gamma(gamma, most: int = MAX_GAMMA) -> int | str:
     if gamma == GAMMA_AUTO:
         return gamma
-    if not isinstance(gamma, int) or isinstance(gamma, bool) or gamma <= 0:
-        raise SpeculantError(f"gamma (draft tokens per pass) must be 'auto' or an integer >= 1, got {gamma!r}")
+    if not isinstance(gamma, int) or isinstance(gamma, bool) or not 1 <= gamma <= most:
+        raise SpeculantError(f"gamma (draft tokens per pass) must be 'auto' or an integer in 1..{most}, got {gamma!r}")
     return gamma
 
 
@@ -48,19 +49,31 @@ def _sampling_params(sampling: dict) -> tuple[SamplingParams, int | None]:
 def check_seed(seed, rows: int) -> None:
     """None, an integer (row r samples with row_seed(seed, r)), or one integer or None per prompt."""
     def ok(x):
-        return x is None or (isinstance(x, int) and not isinstance(x, bool))
+        return x is None or (isinstance(x, int) and not isinstance(x, bool) and SEED_RANGE[0] <= x <= SEED_RANGE[1])
     if isinstance(seed, list):
         if len(seed) != rows or not all(ok(x) for x in seed):
-            raise SpeculantError(f"seed must be an integer, or a list of {rows} integers (or None), one per prompt; "
-                                 f"got {seed!r}")
+            raise SpeculantError(f"seed must be an integer, or a list of {rows} integers (or None), one per prompt, "
+                                 f"each in {SEED_RANGE[0]}..{SEED_RANGE[1]}; got {str(seed)[:80]}")
     elif not ok(seed):
-        raise SpeculantError(f"seed must be an integer, got {seed!r}")
+        raise SpeculantError(f"seed must be an integer in {SEED_RANGE[0]}..{SEED_RANGE[1]}, got {str(seed)[:80]}")
 
 
 def check_logprobs(n) -> int | None:
-    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
-        raise SpeculantError(f"logprobs (alternatives per token) must be an integer >= 0, got {n!r}")
-    return n
+    return n if n is None else check_int(n, "logprobs", 0, MAX_LOGPROBS, "alternatives per token")
+
+
+def check_stops(stop) -> list:
+    """One list of stop strings for every row, or (a list of lists) one per row; a string is one stop string."""
+    return [check_stop(x) for x in stop] if _per_row(stop) else check_stop(stop)
+
+
+def check_prompt_ids(prompt_ids) -> list[list[int]]:
+    """Prompts as token ids: a list of lists of ints (each checked against the vocabulary later)."""
+    if (not isinstance(prompt_ids, (list, tuple))
+            or not all(isinstance(p, (list, tuple)) for p in prompt_ids)):
+        raise SpeculantError(f"prompt ids must be a list of prompts, each a list of token ids, got "
+                             f"{type(prompt_ids).__name__}: for text use generate()")
+    return [list(p) for p in prompt_ids]
 
 
 def _stop_checker(tokenizer, stop: Sequence[str] | None) -> Callable | None:
@@ -105,14 +118,20 @@ class Generator:
             drafter.backend = Backend(drafter.model, path, compile, kernels=kernels)
         self.backend = Backend(target.model, path, compile, kernels=kernels)
         self.engine = Engine(target.model, drafter, target.eos_token_ids, target.context_length, self.backend)
+        # the most memory one request's caches and logits may take (bytes): refused up front beyond it
+        self.memory_budget = int(MEMORY_SHARE * free_memory(self.engine.device))
 
     @property
     def tokenizer(self):
         return self.target.tokenizer
 
     def encode(self, prompt: str, chat_template: bool = True) -> list[int]:
-        if not isinstance(prompt, str) or not prompt.strip():
+        if not isinstance(prompt, str):
+            raise SpeculantError(f"the prompt must be text (a str), got {type(prompt).__name__}: "
+                                 "for token ids use generate_ids()")
+        if not prompt.strip():
             raise SpeculantError("the prompt is empty: give some text to continue")
+        check_text(prompt, "the prompt")
         tok = self.tokenizer
         if chat_template and getattr(tok, "chat_template", None):
             ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
@@ -138,6 +157,7 @@ class Generator:
             if not isinstance(m, int) or isinstance(m, bool) or m < 1:
                 raise SpeculantError(f"max_new_tokens must be an integer >= 1, got {m!r}")
         limit = self.target.context_length
+        prompt_ids = check_prompt_ids(prompt_ids)
         if not prompt_ids:
             raise SpeculantError("no prompts given: give at least one prompt (a list of token ids)")
         if isinstance(max_new_tokens, list) and len(max_new_tokens) != len(prompt_ids):
@@ -154,17 +174,40 @@ class Generator:
                     f"the prompt is {len(ids)} tokens but the model's context is {limit} tokens: shorten the prompt"
                 )
         check_seed(seed, len(prompt_ids))
-        g = self.gamma if gamma is None else check_gamma(gamma)
+        g = self.gamma if gamma is None else self.check_gamma(gamma)
         if self.drafter.name == "none" or not speculate:
             g = 0
+        self.check_memory(len(prompt_ids), max(map(len, prompt_ids)), max(max_new_tokens) if isinstance(
+            max_new_tokens, list) else max_new_tokens, g)
+        stop = check_stops(stop)
         checks = [_stop_checker(self.tokenizer, x) for x in stop] if _per_row(stop) else _stop_checker(self.tokenizer, stop)
         return Request(prompt_ids, params, max_new_tokens, g, seed, checks, logprobs, cancelled=cancelled)
+
+    def check_gamma(self, gamma) -> int | str:
+        """A γ setting this generator's drafter can use: "auto", or 1 up to what one proposal holds."""
+        return check_gamma(gamma, min(MAX_GAMMA, self.drafter.max_gamma or MAX_GAMMA))
+
+    def memory_needed(self, rows: int, prompt_tokens: int, max_new_tokens: int, gamma: int | str) -> int:
+        """About how many bytes a request's caches (target and drafter) and a pass's logits take."""
+        width = 1 + (gamma if isinstance(gamma, int) else self.engine.most_auto_drafts)
+        tokens = min(prompt_tokens + max_new_tokens, self.target.context_length) + 2 * width
+        return memory_needed(lambda b, t: self.backend.state_bytes(b, t) + self.drafter.state_bytes(b, t),
+                             rows, tokens, width, self.target.vocab_size)
+
+    def check_memory(self, rows: int, prompt_tokens: int, max_new_tokens: int, gamma: int | str) -> None:
+        need = self.memory_needed(rows, prompt_tokens, max_new_tokens, gamma)
+        if need > self.memory_budget:
+            raise SpeculantError(
+                f"this request needs about {gib(need)} for its caches ({rows} rows of up to "
+                f"{min(prompt_tokens + max_new_tokens, self.target.context_length)} tokens), more than the "
+                f"{gib(self.memory_budget)} one request may use here: ask for fewer new tokens, fewer rows or a "
+                "shorter prompt (or raise the budget: --max-request-memory, Generator.memory_budget)")
 
     def stream_ids(self, prompt_ids: list[list[int]], max_new_tokens=128, gamma=None, seed=None, stop=None,
                    speculate: bool = True, **sampling):
         """Yields (row, new token ids) as accepted; the generator's return value is the list of Rows.
         ``speculate=False``: plain decoding through the same engine and kernels."""
-        req = self._request(prompt_ids, max_new_tokens, gamma, seed, stop, sampling, speculate=speculate)
+        req = self._request(prompt_ids, max_new_tokens, gamma, seed, check_stops(stop), sampling, speculate=speculate)
         return self.engine.run(req)
 
     def start_batch(self, prompt_ids: list[list[int]], max_new_tokens: list[int], stops: list, gamma=None,
@@ -175,7 +218,7 @@ class Generator:
         (``engine.finish``). A token budget, stop strings and seed per prompt (lists), sampling
         settings per prompt (``row_sampling``), ``cancelled(row) -> bool`` to end a row early;
         ``speculate=False``: plain decoding through the same engine."""
-        req = self._request(prompt_ids, list(max_new_tokens), gamma, seed, [list(x or []) for x in stops], sampling,
+        req = self._request(prompt_ids, list(max_new_tokens), gamma, seed, [check_stop(x) for x in stops], sampling,
                             cancelled, speculate, row_sampling)
         return self.engine.start(req)
 
@@ -192,6 +235,7 @@ class Generator:
 
     def generate_ids(self, prompt_ids: list[list[int]], max_new_tokens=128, gamma=None, seed=None, stop=None,
                      speculate: bool = True, **sampling):
+        stop = check_stops(stop)
         it = self.stream_ids(prompt_ids, max_new_tokens, gamma, seed, stop, speculate, **sampling)
         while True:
             try:
@@ -210,8 +254,12 @@ class Generator:
         chat_template: bool = True,
         **sampling,
     ) -> Output | list[Output]:
-        """Generate for one prompt (-> Output) or a list of prompts (-> list of Output, batched)."""
+        """Generate for one prompt (-> Output) or a list of prompts (-> list of Output, batched).
+        ``stop``: a stop string, or a list of them."""
         single = isinstance(prompt, str)
+        if not single and not (isinstance(prompt, (list, tuple)) and all(isinstance(p, str) for p in prompt)):
+            raise SpeculantError(f"the prompt must be text: a str or a list of str, got {_described(prompt)}"
+                                 " (for token ids use generate_ids())")
         prompts = [prompt] if single else list(prompt)
         if not prompts:
             raise SpeculantError("no prompts given")
@@ -225,6 +273,7 @@ class Generator:
         ``origins=True``: yields (text, drafted) per token instead, drafted = a draft token the target
         accepted (False: the target's own token)."""
         ids = self.encode(prompt, chat_template)
+        stop = check_stop(stop)
         it = self.stream_ids([ids], max_new_tokens, gamma, seed, stop, temperature=temperature, **sampling)
         text = TextStream(self.decode, stop)
         while True:
@@ -245,6 +294,23 @@ class Generator:
                 piece = text.add(new)
                 if piece:
                     yield piece
+
+
+def _described(x) -> str:
+    """What a wrong argument is, for an error: its type, and for a list the types in it."""
+    if isinstance(x, (list, tuple)):
+        kinds = sorted({type(v).__name__ for v in x})
+        return f"a {type(x).__name__} of {', '.join(kinds)}" if kinds else f"an empty {type(x).__name__}"
+    return type(x).__name__
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free for new tensors on ``device`` now (a GPU's free memory; a CPU's available RAM)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+
+    return psutil.virtual_memory().available
 
 
 def _stop_prefix(text: str, stop: Sequence[str] | None) -> int:
@@ -326,19 +392,31 @@ def load(target: str = "default", drafter: str | Drafter | None = None, gamma: i
 
 def generate(model: torch.nn.Module, input_ids, drafter: str | Drafter | torch.nn.Module = "ngram",
              gamma: int | str | None = None, max_new_tokens: int = 128, seed: int | None = None,
-             tokenizer=None, path: str = "auto", compile: bool = False, **sampling):
+             tokenizer=None, path: str = "auto", compile: bool = False, stop=None, **sampling):
     """Speculative generation for a transformers model already in memory.
 
     input_ids: a list of ids, a 1-D tensor, a list of lists or a 2-D tensor (rows without padding).
     drafter: "none" | "ngram" | a transformers draft model sharing the tokenizer | a Drafter.
     Returns an Output (one sequence) or a list of Output; ``text`` is empty unless a tokenizer is given.
+    stop: a stop string or a list of them (needs the tokenizer).
     """
+    if check_stop(stop) and tokenizer is None:
+        raise SpeculantError("stop strings need the model's tokenizer: pass tokenizer=")
+    if not isinstance(model, torch.nn.Module):
+        raise SpeculantError(f"model must be a loaded transformers model (a torch.nn.Module), got "
+                             f"{type(model).__name__}: for a model folder or .gguf use speculant.load()")
     if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() not in (1, 2) or input_ids.dtype.is_floating_point:
+            raise SpeculantError(f"input_ids must be a 1-D or 2-D tensor of token ids, got {input_ids.dim()}-D "
+                                 f"{str(input_ids.dtype).removeprefix('torch.')}")
         single = input_ids.dim() == 1
         rows = [input_ids.tolist()] if single else input_ids.tolist()
-    else:
+    elif isinstance(input_ids, (list, tuple)):
         single = bool(input_ids) and not isinstance(input_ids[0], (list, tuple))
-        rows = [list(input_ids)] if single else [list(r) for r in input_ids]
+        rows = [list(input_ids)] if single else list(input_ids)
+    else:
+        raise SpeculantError(f"input_ids must be token ids (a list, a list of lists or a tensor), got "
+                             f"{type(input_ids).__name__}")
     target = LoadedModel(model=model.eval(), tokenizer=tokenizer, name=type(model).__name__)
     if isinstance(drafter, torch.nn.Module):
         d_vocab, t_vocab = drafter.config.vocab_size, model.config.vocab_size
@@ -351,5 +429,5 @@ def generate(model: torch.nn.Module, input_ids, drafter: str | Drafter | torch.n
     elif isinstance(drafter, str) and drafter.startswith("model:"):
         raise SpeculantError("speculant.generate takes a loaded draft model object, not 'model:PATH'")
     gen = Generator(target, make_drafter(drafter, target), gamma, path, compile)
-    outs = gen.generate_ids(rows, max_new_tokens, None, seed, None, **sampling)
+    outs = gen.generate_ids(rows, max_new_tokens, None, seed, stop, **sampling)
     return outs[0] if single else outs

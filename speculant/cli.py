@@ -17,7 +17,7 @@ def _gamma_arg(value: str):
     try:
         g = int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"gamma must be 'auto' or an integer >= 1, got {value!r}") from None
+        raise argparse.ArgumentTypeError(f"gamma must be 'auto' or an integer, got {value!r}") from None
     return g
 
 
@@ -187,6 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-batch-size", type=int, default=32, help="rows decoded together")
     v.add_argument("--max-queue", type=int, default=256, help="choices waiting before new requests get 429")
     v.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is ended (408)")
+    v.add_argument("--max-body-mib", type=float, default=4.0,
+                   help="largest request body in MiB (default 4: larger ones get 413 before they are read)")
+    v.add_argument("--max-request-memory", type=float, default=None, metavar="GIB",
+                   help="most memory one request's caches may take, in GiB (default: half the memory free at start)")
     v.add_argument("--device", default=None)
     v.add_argument("--device-map", default=None, metavar="auto", help="spread the target over the GPUs (accelerate)")
     v.add_argument("--dtype", default="auto")
@@ -227,16 +231,15 @@ def _read_schema(spec: str):
 
 
 def cmd_generate(args) -> int:
-    from .api import load
+    from .api import check_gamma, check_logprobs, load
     from .sampling import SamplingParams
 
     sampling = sampling_from_args(args)
     SamplingParams(**sampling)  # bad values fail before any model work
-    if args.gamma is not None and args.gamma != "auto" and args.gamma <= 0:
-        raise SpeculantError(f"--gamma must be 'auto' or an integer >= 1, got {args.gamma}")
+    if args.gamma is not None:
+        check_gamma(args.gamma)
     if args.logprobs is not None:
-        if args.logprobs < 0:
-            raise SpeculantError(f"--logprobs must be an integer >= 0, got {args.logprobs}")
+        check_logprobs(args.logprobs)
         if not args.json:
             raise SpeculantError("--logprobs needs --json (the logprobs are printed in the JSON output)")
         sampling["logprobs"] = args.logprobs
@@ -324,7 +327,8 @@ def cmd_serve(args) -> int:
 
     if not 0 < args.port < 65536:
         raise SpeculantError(f"--port must be in 1..65535, got {args.port}")
-    for name in ("max_batch_size", "max_queue", "request_timeout"):
+    for name in ("max_batch_size", "max_queue", "request_timeout", "max_body_mib") + (
+            ("max_request_memory",) if args.max_request_memory is not None else ()):
         if not getattr(args, name) > 0:
             raise SpeculantError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     _check_port_free(args.host, args.port)  # before the model loads, not after it
@@ -335,8 +339,10 @@ def cmd_serve(args) -> int:
     gen = load(args.target, drafter=args.drafter, gamma=args.gamma, device=args.device, dtype=args.dtype,
                device_map=args.device_map,
                path=args.path, compile=args.compile)
+    if args.max_request_memory is not None:
+        gen.memory_budget = int(args.max_request_memory * 2**30)
     app = create_app(gen, args.model_name or args.target, args.api_key, args.max_batch_size, args.max_queue,
-                     args.request_timeout)
+                     args.request_timeout, max_body_bytes=int(args.max_body_mib * 2**20))
     print(f"speculant: serving '{args.model_name or args.target}' with drafter {gen.drafter.describe()} on "
           f"http://{args.host}:{args.port} (playground at /)", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning",

@@ -68,8 +68,15 @@ def json_schema_processor(tokenizer, schema: dict | None = None, eos_token_ids=N
         raise SpeculantError("JSON-schema output needs lm-format-enforcer: pip install lm-format-enforcer") from None
     if tokenizer is None:
         raise SpeculantError("JSON-schema output needs the model's tokenizer")
+    if schema is not None and not isinstance(schema, dict):
+        raise SpeculantError(f"unusable JSON schema: it must be a JSON object, got {type(schema).__name__}")
     try:
         enforcer = TokenEnforcer(_tokenizer_data(tokenizer, eos_token_ids), JsonSchemaParser(schema))
-    except Exception as e:  # lm-format-enforcer raises plain Exceptions for schemas it cannot follow
-        raise SpeculantError(f"unusable JSON schema: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    except Exception as e:
+        # its own words where it refuses a schema on purpose ("Unsupported type objectx": a plain
+        # Exception or ValueError, one line); anything else is its internals, not the user's business
+        said = str(e)
+        why = f": {said}" if type(e) in (Exception, ValueError) and said and "\n" not in said and len(said) < 200 else ""
+        raise SpeculantError(f"unusable JSON schema{why}: give a JSON Schema object of the types object, array, "
+                             "string, number, integer, boolean or null") from None
     return allowed_tokens_processor(lambda ids: enforcer.get_allowed_tokens(ids).allowed_tokens)

@@ -318,14 +318,19 @@ class Engine:
                 r.close()
         return batch.rows
 
-    def _gamma_max(self, req: Request, drafter: Drafter) -> int:
+    @property
+    def most_auto_drafts(self) -> int:
+        """The most draft tokens (or tree nodes) a pass of gamma="auto" proposes with this drafter."""
+        return self._gamma_max(None, self.drafter)
+
+    def _gamma_max(self, req: Request | None, drafter: Drafter) -> int:
         """The most ``auto`` drafts per pass: 8 tokens for drafters that pay per draft token (models);
         model-free ones (ngram, suffix) cost nothing more for longer drafts, so 16 tokens, or tree
         nodes (48 on a GPU, where a pass verifies dozens of tokens at the price of one). On a CPU
         both get 15: with the pass's first token a 16-token block, as a 17th token costs ~12% more
         there (one more 16-row tile, measured with AMX) for a draft that rarely adds much."""
         longest = 15 if self.device.type == "cpu" else 16  # model-free drafts, and trees but on CUDA
-        if req.gamma_max is not None:
+        if req is not None and req.gamma_max is not None:
             most = req.gamma_max
         elif drafter.makes_trees:
             most = 48 if self.device.type == "cuda" else longest

@@ -307,6 +307,8 @@ class LogitsProcessing:
             bad = [t for t in (p.logit_bias or {}) if vocab_size is not None and t >= vocab_size]
             if bad:
                 raise SpeculantError(f"logit bias token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+            if vocab_size is not None and p.top_k > vocab_size:
+                raise SpeculantError(f"top-k must be in 0..{vocab_size} (0 = off), got {p.top_k}")
         self._settings: list[_OneSetting] = [_OneSetting(params)] if self.rows is None else []
         self._group()
         # the forms of text the batch keeps (its histories are built from them at its start): a

@@ -84,3 +84,27 @@ def save_tiny_folder(path, vocab: int = 96, seed: int = 0, context: int = 512):
 # "auto" is what this CPU picks; "fp32-blocks" is what bf16 gets on a CPU without oneDNN bf16 (AVX2),
 # forced on AVX-512 machines too; "aten" is plain F.linear everywhere.
 KERNEL_CHOICES = ["auto", "fp32-blocks", "aten"]
+
+
+class Served:
+    """``speculant serve``'s app over ``gen`` (named "tiny") in a uvicorn thread; ``close()`` stops it."""
+
+    def __init__(self, gen, **kw):
+        from speculant.server.app import create_app
+        from speculant.server.background import BackgroundServer
+
+        self.app = create_app(gen, "tiny", **kw)
+        self.served = BackgroundServer(self.app)
+        self.url = self.served.url
+
+    @property
+    def scheduler(self):
+        return self.app.state.speculant["scheduler"]
+
+    def client(self, key="none", **kw):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, **kw)
+
+    def close(self):
+        self.served.close()

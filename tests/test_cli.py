@@ -79,6 +79,8 @@ BAD = [
     (["--logit-bias", "99999:1", "--drafter", "ngram"], "outside the vocabulary"),
     (["--logprobs", "3"], "--json"),
     (["--logprobs", "-1", "--json"], "logprobs"),
+    (["--logprobs", "1000000", "--json"], "0..20"),
+    (["--gamma", "1000000"], "1..64"),
     (["--json-schema", "/no/such/schema.json"], "schema"),
     (["--show-acceptance", "--json"], "--show-acceptance"),
 ]
@@ -221,3 +223,17 @@ def test_show_acceptance_marks_drafted_tokens_and_keeps_the_text(folders, capsys
     code, out, err = run_cli(["generate", PROMPT, "--target", folders["target"], "--max-new-tokens", "30",
                               "--no-chat-template", "--dtype", "float32", "--show-acceptance"], capsys)
     assert code == 0 and "draft token accepted" in err and "\x1b[" in out, err
+
+
+def test_bench_refuses_an_unwritable_out_before_it_generates(folders, capsys, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")  # a file where a folder would have to be made
+    code, _, err = run_cli(["bench", "--target", folders["target"], "--drafters", "none", "--quick",
+                            "--out", str(blocker / "results")], capsys)
+    assert code == 2 and "cannot write" in err and "--out" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_serve_limits_must_be_positive(folders, capsys):
+    for flag in ("--max-body-mib", "--max-request-memory"):
+        code, _, err = run_cli(["serve", "--target", folders["target"], flag, "0"], capsys)
+        assert code == 2 and flag in err and len(err.strip().splitlines()) == 1, err

@@ -21,31 +21,10 @@ import torch
 
 import speculant
 from speculant.errors import SpeculantError
-from speculant.server.app import create_app
-from speculant.server.background import BackgroundServer
 from speculant.server.scheduler import Job, QueueFull, Scheduler
-from helpers import hf_greedy, save_tiny_folder
+from helpers import Served, hf_greedy, save_tiny_folder
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}w3"
-
-
-class Served:
-    """A uvicorn server in a thread, stopped by close()."""
-
-    def __init__(self, gen, **kw):
-        self.app = create_app(gen, "tiny", **kw)
-        self.served = BackgroundServer(self.app)
-        self.url = self.served.url
-
-    @property
-    def scheduler(self):
-        return self.app.state.speculant["scheduler"]
-
-    def client(self, key="none", **kw):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, **kw)
-
-    def close(self):
-        self.served.close()
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..errors import SpeculantError
+from ..errors import SpeculantError, check_writable
 from .methods import AUTO
 
 QUICK_PER_CATEGORY, QUICK_MAX_NEW_TOKENS = 2, 32
@@ -123,6 +123,8 @@ def cmd_bench(args) -> int:
         max_new_tokens=max_new, repeats=repeats, warmup=args.warmup, seed=args.seed,
         device=args.device, dtype=args.dtype, path=args.path, chat_template=not args.no_chat_template)
     plan(config)  # bad drafter specs fail before any model is loaded
+    if args.out:
+        check_writable(args.out)  # before minutes of generation, not when the results are written
 
     runner = MethodRunner(config.target, config.drafters, config.device, config.dtype,
                           chat_template=config.chat_template, path=config.path)

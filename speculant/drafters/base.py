@@ -88,6 +88,11 @@ class Drafter(ABC):
     def start(self, ctx: DraftContext) -> None:
         """A new batch of prompts begins."""
 
+    def state_bytes(self, rows: int, tokens: int) -> int:
+        """About the bytes a batch of ``rows`` rows of up to ``tokens`` tokens makes this drafter
+        hold (its caches), for the per-request memory budget; model-free drafters hold next to none."""
+        return 0
+
     @abstractmethod
     def propose(self, gamma: int) -> Proposal:
         """Up to γ draft tokens per row continuing the accepted text."""

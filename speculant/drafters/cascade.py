@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from ..models.backend import kv_bytes
 from ..models.kv import KVState
 from ..sampling import TokenHistory
 from ..verify import greedy_verify, sample_verify
@@ -40,6 +41,9 @@ class CascadeDrafter(Drafter):
 
     def describe(self) -> str:
         return f"cascade:{self.inner.describe()},{self.label or 'model'}"
+
+    def state_bytes(self, rows: int, tokens: int) -> int:
+        return kv_bytes(self.middle, rows, tokens) + self.inner.state_bytes(rows, tokens)
 
     def start(self, ctx: DraftContext) -> None:
         self.ctx = ctx

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ..models.backend import kv_bytes
 from ..models.kv import KVState
 from .base import DraftContext, Drafter, Proposal
 from .model import left_pad
@@ -49,6 +50,9 @@ class CrossTokenizerDrafter(Drafter):
 
     def describe(self) -> str:
         return f"model:{self.label}(via text)"
+
+    def state_bytes(self, rows: int, tokens: int) -> int:
+        return kv_bytes(self.model, rows, 2 * tokens)  # draft tokens: up to about two a target token
 
     def start(self, ctx: DraftContext) -> None:
         self.ctx = ctx

@@ -38,6 +38,11 @@ class DFlashDrafter(Drafter):
     def describe(self) -> str:
         return f"dflash:{self.label}"
 
+    def state_bytes(self, rows: int, tokens: int) -> int:
+        attn = self.net.layers[0].self_attn
+        element = self.net.fc.weight.element_size()
+        return 2 * len(self.net.layers) * rows * attn.kv_heads * tokens * attn.head_dim * element
+
     def start(self, ctx: DraftContext) -> None:
         self.ctx = ctx
         B, dev = len(ctx.prompts), ctx.device

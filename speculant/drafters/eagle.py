@@ -73,6 +73,11 @@ class EagleDrafter(Drafter):
     def describe(self) -> str:
         return f"eagle:{self.label}"
 
+    def state_bytes(self, rows: int, tokens: int) -> int:
+        attn = self.net.layers[0].self_attn
+        element = torch.finfo(self.net.dtype).bits // 8
+        return 2 * len(self.net.layers) * rows * attn.kv_heads * (tokens + DEPTH * BEAM) * attn.head_dim * element
+
     def start(self, ctx: DraftContext) -> None:
         self.ctx = ctx
         B, dev, net = len(ctx.prompts), ctx.device, self.net

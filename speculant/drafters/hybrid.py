@@ -66,6 +66,9 @@ class HybridDrafter(Drafter):
     def describe(self) -> str:
         return f"{self.label}+ngram"
 
+    def state_bytes(self, rows: int, tokens: int) -> int:
+        return self.tree.state_bytes(rows, tokens)
+
     @property
     def catchup_seconds(self) -> float:
         return self.tree.catchup_seconds

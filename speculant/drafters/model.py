@@ -49,6 +49,9 @@ class ModelDrafter(Drafter):
     def describe(self) -> str:
         return f"model:{self.label}"
 
+    def state_bytes(self, rows: int, tokens: int) -> int:
+        return self.backend.state_bytes(rows, tokens)
+
     def start(self, ctx: DraftContext) -> None:
         self.ctx = ctx
         longest = max(len(p) for p in ctx.prompts)

@@ -26,6 +26,20 @@ def use_persistent_compile_cache() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
 
 
+def kv_bytes(model: torch.nn.Module, batch: int, tokens: int) -> int:
+    """About the bytes a KV cache of ``batch`` rows of ``tokens`` tokens takes for a HF-configured
+    causal LM: keys and values of every layer (0 where the model names no shapes)."""
+    cfg = getattr(model, "config", None)
+    cfg = getattr(cfg, "text_config", cfg)
+    heads = getattr(cfg, "num_attention_heads", None)
+    if not heads:
+        return 0
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    element = next(model.parameters()).element_size()
+    return 2 * cfg.num_hidden_layers * batch * kv_heads * tokens * head_dim * element
+
+
 class Backend:
     """Makes KV states for one model.
 
@@ -81,6 +95,10 @@ class Backend:
         if self.dtype_choice:
             out["dtype_choice"] = self.dtype_choice
         return out
+
+    def state_bytes(self, batch: int, max_tokens: int) -> int:
+        """About the bytes ``new_state(batch, max_tokens)`` takes."""
+        return kv_bytes(self.model, batch, -(-max_tokens // 256) * 256 if self.fast is not None else max_tokens)
 
     def new_state(self, batch: int, max_tokens: int):
         if self.fast is None:

@@ -12,28 +12,33 @@ non-streamed response carries ``speculant`` stats (α, τ, passes). OpenAI clien
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import logging
 import time
 import uuid
 from importlib import resources
-from typing import Annotated, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..api import TextStream, check_gamma
+from ..api import TextStream
 from ..errors import SpeculantError
+from ..limits import check_stop, check_text
 from ..sampling import LogitsProcessing, SamplingParams, row_seed
 from .metrics import Metrics
+from .requests import ChatRequest, CompletionRequest, Sampling, validation_message
 from .scheduler import BATCH_SETTINGS, Job, QueueFull, Scheduler
 
+log = logging.getLogger("speculant.server")
+
 DEFAULT_MAX_TOKENS = 1024  # for a chat request that names no max_tokens
+MAX_BODY_BYTES = 4 * 2**20  # a request body's most bytes by default (--max-body-mib): far more than a context of text
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "abort": "abort"}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               408: "timeout_error", 429: "rate_limit_error", 500: "server_error"}
+               408: "timeout_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error"}
 
 
 class ApiError(Exception):
@@ -47,56 +52,10 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
                       "param": param, "code": None}}
 
 
-class Sampling(BaseModel):
-    """Fields both endpoints share (OpenAI's defaults: temperature 1, top_p 1)."""
-
-    # strict ints and bools: JSON's true is not 1 tokens, nor 16.0 or "16" a count (pydantic's lax mode takes them)
-    model_config = ConfigDict(extra="allow")
-    model: str
-    max_tokens: StrictInt | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    n: StrictInt = Field(1, ge=1, le=16)
-    stream: StrictBool = False
-    stream_options: dict | None = None
-    stop: str | list[str] | None = None
-    seed: StrictInt | None = None
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] | None = None  # OpenAI's range
-    user: str | None = None
-    # speculant's own
-    gamma: StrictInt | Literal["auto"] | None = None
-    speculate: StrictBool = True  # false: plain decoding (the playground's comparison button)
-    top_k: StrictInt = Field(0, ge=0)
-    min_p: float = Field(0.0, ge=0, lt=1)
-    repetition_penalty: float = Field(1.0, gt=0)
-
-
-class CompletionRequest(Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: StrictInt | None = Field(16, ge=1)
-    logprobs: StrictInt | None = Field(None, ge=0, le=20)
-    echo: StrictBool = False
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict] | None = None
-
-
-class ChatRequest(Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(None, ge=1)
-    logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
-    response_format: dict | None = None
-
-
 def create_app(generator, model_name: str = "default", api_key: str | None = None, max_batch_size: int = 32,
-               max_queue: int = 256, request_timeout: float = 600.0) -> FastAPI:
-    """The server's app; its scheduler (one owner thread for the engine) starts now and stops with the app."""
+               max_queue: int = 256, request_timeout: float = 600.0, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The server's app; its scheduler (one owner thread for the engine) starts now and stops with the app.
+    A request may use ``generator.memory_budget`` bytes of caches, and send ``max_body_bytes`` of body."""
     state = {}
 
     def start():
@@ -122,45 +81,67 @@ def create_app(generator, model_name: str = "default", api_key: str | None = Non
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError):
-        first = e.errors()[0] if e.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        msg = first.get("msg", "invalid request")
-        if first.get("type") == "json_invalid":  # loc is the character offset where parsing failed
-            at = first.get("loc", ("body", "?"))[-1]
-            return _error(request, 400, f"the request body is not valid JSON (at character {at}): send a JSON object")
-        if first.get("type") in ("model_attributes_type", "dict_type") and not where:
-            msg = "the request body must be a JSON object (Content-Type: application/json)"
-        elif first.get("type") == "missing" and where in ("", "body"):
-            msg = "the request has no body: send a JSON object"
-        return _error(request, 400, f"{where}: {msg}" if where else msg, where or None)
+        model = CompletionRequest if request.url.path.endswith("/completions") and "chat" not in request.url.path \
+            else ChatRequest
+        message, param = validation_message(e.errors(), model)
+        return _error(request, 400, message, param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):
+        if e.status_code == 400:  # Starlette's "There was an error parsing the body" (JSON nested too deep, say)
+            return _error(request, 400, "the request body could not be read as JSON: send one JSON object")
         return _error(request, e.status_code, str(e.detail))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception):  # never a library's text, never a bare 500
+        log.exception("request to %s failed", request.url.path)
+        return _error(request, 500, "internal error: the server's log has the details")
 
     def _error(request: Request, status: int, message: str, param: str | None = None):
         state["metrics"].requests.labels(request.url.path, str(status)).inc()
         return JSONResponse(error_body(status, message, param), status_code=status)
 
-    class _Auth:
-        """The API key check, as plain ASGI: an ``@app.middleware`` wraps the request's receive
-        channel, and the endpoint then never hears that a client has gone."""
+    class _Guard:
+        """The API key check and the body size limit, as plain ASGI: an ``@app.middleware`` wraps
+        the request's receive channel, and the endpoint then never hears that a client has gone."""
 
         def __init__(self, inner):
             self.inner = inner
 
         async def __call__(self, scope, receive, send):
-            if api_key and scope["type"] == "http" and scope["path"].startswith("/v1/"):
-                request = Request(scope)
-                given = request.headers.get("authorization", "")
-                if given != f"Bearer {api_key}":
-                    why = "missing API key" if not given else "wrong API key"
-                    response = _error(request, 401, f"{why}: send 'Authorization: Bearer <key>' with the server's "
-                                                    "--api-key")
-                    return await response(scope, receive, send)
+            if scope["type"] != "http":
+                return await self.inner(scope, receive, send)
+            request = Request(scope)
+            if api_key and scope["path"].startswith("/v1/") and not _authorized(request.headers.get("authorization")):
+                why = "missing API key" if not request.headers.get("authorization") else "wrong API key"
+                response = _error(request, 401, f"{why}: send 'Authorization: Bearer <key>' with the server's --api-key")
+                return await response(scope, receive, send)
+            declared = request.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > max_body_bytes:  # refused before a byte of it is read
+                return await _too_large(request)(scope, receive, send)
+            if scope["method"] in ("POST", "PUT", "PATCH"):  # chunked bodies: count as they come
+                body, more = [], True
+                while more:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return
+                    body.append(message.get("body", b""))
+                    more = message.get("more_body", False)
+                    if sum(map(len, body)) > max_body_bytes:
+                        return await _too_large(request)(scope, receive, send)
+                receive = _replay(b"".join(body), receive)
             await self.inner(scope, receive, send)
 
-    app.add_middleware(_Auth)
+    def _authorized(given: str | None) -> bool:
+        scheme, _, key = (given or "").strip().partition(" ")
+        # HTTP schemes are case-insensitive; a constant-time comparison tells nothing of how much matched
+        return scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), api_key.encode())
+
+    def _too_large(request: Request):
+        return _error(request, 413, f"the request body is larger than this server takes ({max_body_bytes:,} bytes, "
+                                    "--max-body-mib): send a shorter prompt")
+
+    app.add_middleware(_Guard)
 
     @app.get("/health")
     async def health():
@@ -179,12 +160,14 @@ def create_app(generator, model_name: str = "default", api_key: str | None = Non
     async def playground():
         return resources.files("speculant.server").joinpath("playground.html").read_text(encoding="utf-8")
 
+    # tokenising, chat templates and JSON-schema tables take long for long inputs: they run in a
+    # worker thread, so the event loop goes on answering other requests (and /health) meanwhile
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         _check_model(body.model)
         if body.echo:
             raise ApiError(400, "echo is not supported: leave it false", "echo")
-        prompts = _completion_prompts(body.prompt)
+        prompts = await asyncio.to_thread(_completion_prompts, body.prompt)
         return await _serve(request, body, prompts, chat=False, logprobs=body.logprobs, max_tokens=body.max_tokens)
 
     @app.post("/v1/chat/completions")
@@ -192,17 +175,27 @@ def create_app(generator, model_name: str = "default", api_key: str | None = Non
         _check_model(body.model)
         if not getattr(tok, "chat_template", None):
             raise ApiError(400, f"model '{model_name}' has no chat template: use /v1/completions", "messages")
-        messages = [{"role": m.role, "content": _text_content(m.content)} for m in body.messages]
-        try:
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except Exception as e:  # a template that rejects these roles or this order
-            raise ApiError(400, f"the chat template rejected these messages: {e}", "messages") from None
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        messages = [{"role": m.role, "content": _text_content(m.content, f"messages.{i}.content")}
+                    for i, m in enumerate(body.messages)]
         if body.top_logprobs and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        ids = await asyncio.to_thread(_chat_prompt, messages)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
         return await _serve(request, body, [ids], chat=True, logprobs=logprobs,
                             max_tokens=body.max_completion_tokens or body.max_tokens)
+
+    def _chat_prompt(messages: list[dict]) -> list[int]:
+        try:
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as e:  # a template that rejects these roles or this order says so in its own words
+            from jinja2 import TemplateError
+
+            if isinstance(e, TemplateError) and str(e) and "\n" not in str(e) and len(str(e)) < 300:
+                raise ApiError(400, f"the chat template rejected these messages: {e}", "messages") from None
+            log.exception("the chat template failed")
+            raise ApiError(400, "the chat template could not render these messages: check their roles and "
+                                "order", "messages") from None
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def _check_model(name: str):
         if name != model_name:
@@ -218,7 +211,8 @@ def create_app(generator, model_name: str = "default", api_key: str | None = Non
             prompt = [prompt]
         out = []
         for p in prompt:
-            ids = list(tok(p, add_special_tokens=True)["input_ids"]) if isinstance(p, str) else list(p)
+            ids = list(tok(_checked_text(p, "prompt"), add_special_tokens=True)["input_ids"]) if isinstance(p, str) \
+                else list(p)
             if not ids:
                 raise ApiError(400, "prompt is empty: give some text", "prompt")
             if any(t < 0 or t >= generator.target.vocab_size for t in ids):
@@ -232,12 +226,13 @@ def create_app(generator, model_name: str = "default", api_key: str | None = Non
                         frequency_penalty=body.frequency_penalty, logit_bias=body.logit_bias or None)
         try:  # checked here, not in the batch: one request's bad bias must not fail the others
             LogitsProcessing(SamplingParams(**settings), generator.target.vocab_size)
-            gamma = check_gamma(body.gamma) if body.gamma is not None else None
         except SpeculantError as e:
-            raise ApiError(400, str(e)) from None
-        fmt = getattr(body, "response_format", None)
-        if fmt and fmt.get("type") not in (None, "text"):
-            settings["logits_processors"] = [_format_processor(fmt)]
+            raise ApiError(400, str(e), "top_k" if "top-k" in str(e) else "logit_bias" if body.logit_bias else None) \
+                from None
+        try:
+            gamma = generator.check_gamma(body.gamma) if body.gamma is not None else None
+        except SpeculantError as e:  # beyond what this drafter's proposals hold
+            raise ApiError(400, str(e), "gamma") from None
         return settings | {"logprobs": logprobs, "gamma": gamma, "speculate": body.speculate}
 
     def _format_processor(fmt: dict):
@@ -251,6 +246,8 @@ def create_app(generator, model_name: str = "default", api_key: str | None = Non
         else:
             raise ApiError(400, "response_format must be {'type': 'text' | 'json_object'} or {'type': 'json_schema', "
                                 "'json_schema': {'schema': {...}}}", "response_format")
+        if not isinstance(schema, dict):
+            raise ApiError(400, "response_format.json_schema.schema must be a JSON Schema object", "response_format")
         try:
             return json_schema_processor(tok, schema, generator.target.eos_token_ids)
         except SpeculantError as e:
@@ -266,7 +263,15 @@ def create_app(generator, model_name: str = "default", api_key: str | None = Non
                                 f"model's context of {context} tokens: shorten the prompt or lower max_tokens",
                            "max_tokens")
         settings = _sampling(body, logprobs)
-        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        try:
+            stop = check_stop(body.stop)
+            gamma = settings["gamma"] if settings["gamma"] is not None else generator.gamma
+            generator.check_memory(len(prompts) * body.n, longest, max_tokens, gamma if body.speculate else 0)
+        except SpeculantError as e:
+            raise ApiError(400, str(e), "stop" if "stop" in str(e) else "max_tokens") from None
+        fmt = getattr(body, "response_format", None)
+        if fmt and fmt.get("type") not in (None, "text"):
+            settings["logits_processors"] = [await asyncio.to_thread(_format_processor, fmt)]
         # requests share batches by γ setting and the forms of text their processing reads; the
         # rest of the settings are per row (a seeded choice's text is the same whatever it shares with)
         forms = SamplingParams(**{k: v for k, v in settings.items() if k not in ("logprobs", *BATCH_SETTINGS)}).forms
@@ -396,13 +401,36 @@ def create_app(generator, model_name: str = "default", api_key: str | None = Non
 DISCONNECT_POLL = 0.25  # seconds between checks that a non-streamed request's client is still there
 
 
-def _text_content(content) -> str:
+def _checked_text(text: str, field: str) -> str:
+    try:
+        return check_text(text, field)
+    except SpeculantError as e:
+        raise ApiError(400, str(e), field) from None
+
+
+def _text_content(content, field: str) -> str:
     if content is None or isinstance(content, str):
-        return content or ""
-    parts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        return _checked_text(content or "", field)
+    parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
     if len(parts) != len(content):
-        raise ApiError(400, "only text message parts are supported", "messages")
-    return "".join(parts)
+        raise ApiError(400, "only text message parts are supported", field)
+    if not all(isinstance(p, str) for p in parts):
+        raise ApiError(400, f"{field}: a text part's 'text' must be a string", field)
+    return _checked_text("".join(parts), field)
+
+
+def _replay(body: bytes, receive):
+    """A receive channel that gives the app ``body`` (already read) and then listens to the client."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()  # http.disconnect when the client goes
+
+    return replay
 
 
 def _sse(obj: dict) -> str:

@@ -35,7 +35,7 @@ def _error_message(e: Exception, what: str) -> str:
     if isinstance(e, SpeculantError):
         return str(e)
     log.exception(what)
-    return f"internal error: {type(e).__name__}: {e}"
+    return "internal error while generating: the server's log has the details"
 
 
 class QueueFull(SpeculantError):

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..errors import SpeculantError
+from ..errors import SpeculantError, check_writable
 from .data import (Example, Features, encode_conversation, encode_prompt, jsonl_records, self_distilled_features,
                    sharegpt_conversations, text_features)
 from .dflash import DFlashNet
@@ -89,7 +89,7 @@ def check_settings(s: TrainSettings) -> None:
         # --overwrite replaces the folder whole: never a folder of other things (`--out .`)
         raise SpeculantError(f"output folder '{out}' holds files and is not a drafter folder: give a new or a "
                              "drafter folder to --out (--overwrite replaces the whole folder)")
-    _check_writable(out)
+    check_writable(out, beside=True)
     if s.data != "sharegpt":
         next(jsonl_records(s.data))  # an empty or malformed file fails here
     for name in ("max_tokens", "answer_tokens", "seq_len", "layers", "anchors", "batch", "eval_sequences", "heads",
@@ -102,20 +102,6 @@ def check_settings(s: TrainSettings) -> None:
         raise SpeculantError(f"--epochs must be > 0, got {s.epochs}")
     if not s.lr > 0:
         raise SpeculantError(f"--lr must be > 0, got {s.lr}")
-
-
-def _check_writable(out: Path) -> None:
-    """Fail now, not after training, where the drafter folder cannot be written (it is written beside
-    ``out`` first, then renamed into place)."""
-    import tempfile
-
-    folder = out.resolve().parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    try:
-        tempfile.TemporaryDirectory(dir=folder).cleanup()
-    except OSError as e:
-        raise SpeculantError(f"cannot write '{out}' ({e.strerror or e}): give --out a writable path") from None
 
 
 def pick_mask_token(tokenizer, vocab: int) -> int:
