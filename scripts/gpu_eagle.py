@@ -233,7 +233,7 @@ def train(a) -> None:
     from speculant.models.loading import load_model
     from speculant.trained.data import Features
     from speculant.trained.eagle import EagleNet, EagleTrainer
-    from speculant.trained.train import TrainSettings, _network, draft_vocabulary, mixed_precision
+    from speculant.tools.train import TrainSettings, _network, draft_vocabulary, mixed_precision
 
     t0 = time.time()
     torch.manual_seed(a.seed)

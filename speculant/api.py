@@ -1,18 +1,22 @@
-"""The public API: ``speculant.load(...)`` -> Generator, and ``speculant.generate(hf_model, ...)``."""
+"""The public API: ``Generator`` (a target and a drafter, ready to generate) and
+``speculant.generate(hf_model, ...)``; ``speculant.load(...)`` -> Generator is in ``tools/loader.py``
+(it measures ``--dtype auto`` with a Generator, from the layer above this one)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
+import psutil
 import torch
 
-from .drafters import Drafter, ModelDrafter, default_drafter, make_drafter, validate_drafter_spec
+from .drafters import Drafter, ModelDrafter, make_drafter
+from .drafters.model import MODEL
+from .drafters.registry import kind_of
 from .engine import Batch, Engine, Request, Row
 from .errors import SpeculantError
-from .limits import MAX_GAMMA, MAX_LOGPROBS, MEMORY_SHARE, SEED_RANGE, check_int, check_stop, check_text, gib, memory_needed
-from .models.backend import PATHS, Backend
-from .models.cpu_choice import choose as choose_cpu_dtype
-from .models.loading import LoadedModel, load_model, resolve_device
+from .limits import MAX_GAMMA, MAX_LOGPROBS, MEMORY_SHARE, check_int, check_stop, check_text, gib, memory_needed
+from .models.backend import Backend
+from .models.loading import LoadedModel
 from .sampling import SamplingParams
 
 GAMMA_AUTO = "auto"  # the default: chosen each pass from measured acceptance and costs (controller.py)
@@ -48,14 +52,14 @@ def _sampling_params(sampling: dict) -> tuple[SamplingParams, int | None]:
 
 def check_seed(seed, rows: int) -> None:
     """None, an integer (row r samples with row_seed(seed, r)), or one integer or None per prompt."""
-    def ok(x):
-        return x is None or (isinstance(x, int) and not isinstance(x, bool) and SEED_RANGE[0] <= x <= SEED_RANGE[1])
+    def ok(x):  # any integer: it is mixed into 63 bits (row_seed)
+        return x is None or (isinstance(x, int) and not isinstance(x, bool))
     if isinstance(seed, list):
         if len(seed) != rows or not all(ok(x) for x in seed):
-            raise SpeculantError(f"seed must be an integer, or a list of {rows} integers (or None), one per prompt, "
-                                 f"each in {SEED_RANGE[0]}..{SEED_RANGE[1]}; got {str(seed)[:80]}")
+            raise SpeculantError(f"seed must be an integer, or a list of {rows} integers (or None), one per prompt; "
+                                 f"got {str(seed)[:80]}")
     elif not ok(seed):
-        raise SpeculantError(f"seed must be an integer in {SEED_RANGE[0]}..{SEED_RANGE[1]}, got {str(seed)[:80]}")
+        raise SpeculantError(f"seed must be an integer, got {str(seed)[:80]}")
 
 
 def check_logprobs(n) -> int | None:
@@ -236,12 +240,8 @@ class Generator:
     def generate_ids(self, prompt_ids: list[list[int]], max_new_tokens=128, gamma=None, seed=None, stop=None,
                      speculate: bool = True, **sampling):
         stop = check_stops(stop)
-        it = self.stream_ids(prompt_ids, max_new_tokens, gamma, seed, stop, speculate, **sampling)
-        while True:
-            try:
-                next(it)
-            except StopIteration as done:
-                return self.outputs(done.value, stop)
+        return self.outputs(drain(self.stream_ids(prompt_ids, max_new_tokens, gamma, seed, stop, speculate,
+                                                  **sampling)), stop)
 
     def generate(
         self,
@@ -296,6 +296,15 @@ class Generator:
                     yield piece
 
 
+def drain(it: Iterator):
+    """Run a generator to its end and give its return value (the engine's: the finished rows)."""
+    while True:
+        try:
+            next(it)
+        except StopIteration as done:
+            return done.value
+
+
 def _described(x) -> str:
     """What a wrong argument is, for an error: its type, and for a list the types in it."""
     if isinstance(x, (list, tuple)):
@@ -308,8 +317,6 @@ def free_memory(device: torch.device) -> int:
     """Bytes free for new tensors on ``device`` now (a GPU's free memory; a CPU's available RAM)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    import psutil
-
     return psutil.virtual_memory().available
 
 
@@ -357,39 +364,6 @@ class TextStream:
         return rest
 
 
-def load(target: str = "default", drafter: str | Drafter | None = None, gamma: int | str | None = None,
-         device: str | None = None, dtype: str | None = None, path: str = "auto", compile: bool = False,
-         device_map: str | dict | None = None) -> Generator:
-    """Load a target ("default" | model folder | .gguf) and a drafter (see drafters.DRAFTER_HELP; None:
-    the trained drafter shipped for the target, if one ships, else "ngram").
-
-    dtype: "auto" (default): bfloat16 on CUDA; on a CPU the dtype and path that measure fastest on
-    this machine with this drafter among the exact ones (models/cpu_choice.py: measured once, cached).
-    path: "auto" (the static-cache fast path where the architecture has one), "fast" or "general".
-    compile: torch.compile the fast path's forward (worth it for long runs; compiling takes a while).
-    device_map: "auto" spreads a target too big for one GPU over the GPUs with accelerate (the
-    general path then runs it; the drafter goes where the target's embeddings are).
-    """
-    if path not in PATHS:
-        raise SpeculantError(f"unknown path {path!r}: use one of {', '.join(PATHS)}")
-    if gamma is not None:
-        check_gamma(gamma)
-    if drafter is not None:
-        validate_drafter_spec(drafter)  # bad input fails before any model work
-    dev = resolve_device(device)
-    choice = None
-    if dev.type == "cpu" and dtype in (None, "", "auto") and device_map is None:
-        # timed with the drafter that will run (an object given here cannot be rebuilt per dtype: plain decoding)
-        choice = choose_cpu_dtype(target, drafter if drafter is None or isinstance(drafter, str) else "none")
-        dtype = choice.dtype
-    tgt = load_model(target, device=dev, dtype=dtype, device_map=device_map)
-    d = make_drafter(drafter if drafter is not None else default_drafter(tgt), tgt)
-    gen = Generator(tgt, d, gamma, path, compile)
-    if choice is not None:
-        gen.backend.dtype_choice = choice.describe()
-    return gen
-
-
 def generate(model: torch.nn.Module, input_ids, drafter: str | Drafter | torch.nn.Module = "ngram",
              gamma: int | str | None = None, max_new_tokens: int = 128, seed: int | None = None,
              tokenizer=None, path: str = "auto", compile: bool = False, stop=None, **sampling):
@@ -426,7 +400,7 @@ def generate(model: torch.nn.Module, input_ids, drafter: str | Drafter | torch.n
                 "use a draft model with the target's tokenizer"
             )
         drafter = ModelDrafter(drafter.eval(), label=type(drafter).__name__)
-    elif isinstance(drafter, str) and drafter.startswith("model:"):
+    elif isinstance(drafter, str) and kind_of(drafter) is MODEL:
         raise SpeculantError("speculant.generate takes a loaded draft model object, not 'model:PATH'")
     gen = Generator(target, make_drafter(drafter, target), gamma, path, compile)
     outs = gen.generate_ids(rows, max_new_tokens, None, seed, stop, **sampling)

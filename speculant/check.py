@@ -18,12 +18,14 @@ Prints PASS/FAIL per check; the CLI exits 1 on any FAIL.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
 import torch
 
 from .errors import SpeculantError
+from .sampling import LogitsProcessing, SamplingParams, TokenHistory
 
 DEFAULT_PROMPTS = [
     "Write a haiku about rivers.",
@@ -116,9 +118,7 @@ def greedy_check(gen, prompts: list[list[int]], max_new_tokens: int) -> CheckRes
 
 def sampling_check(gen, prompt: list[int], samples: int, new_tokens: int, gamma: int, seed: int,
                    sampling: dict, chunk: int = 64) -> CheckResult:
-    from scipy.stats import kstest
-
-    from .sampling import LogitsProcessing, SamplingParams, TokenHistory
+    from scipy.stats import kstest  # a test extra: only the sampling check needs it
 
     model = gen.target.model
     device = next(model.parameters()).device
@@ -174,8 +174,6 @@ def run_check(gen, prompts: list[str] | None = None, samples: int = 400, max_new
 
 def read_prompt_file(path: str) -> list[str]:
     """One prompt a line, or JSONL lines with a "prompt" field (a bench suite)."""
-    import json
-
     try:
         lines = [line for line in open(path, encoding="utf-8").read().splitlines() if line.strip()]
     except OSError as e:

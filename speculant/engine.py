@@ -8,12 +8,12 @@ of tokens; finished rows (EOS, stop string, max_new_tokens) leave the batch.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import torch
 
-from .controller import CostModel, GammaController
+from .controller import CostModel, FixedGamma, GammaController
 from .drafters.base import DraftContext, Drafter, Proposal
 from .drafters.model import left_pad
 from .errors import SpeculantError
@@ -185,7 +185,7 @@ class Engine:
         self.context_length = context_length
         self.device = next(target.parameters()).device
         self.vocab_size = int(target.get_output_embeddings().weight.shape[0])
-        self.costs = CostModel()  # what passes cost here, learnt by gamma="auto" across requests
+        self.costs = CostModel()  # what passes cost here, learnt across requests (gamma="auto" reads it)
         self.drafter_busy = False  # a batch holds self.drafter (others get forks of it)
 
     def run(self, req: Request) -> Iterator[tuple[int, list[int]]]:
@@ -198,102 +198,75 @@ class Engine:
             rows = self.finish(batch)
         return rows
 
+    def step(self, batch: "Batch") -> Iterator[tuple[int, list[int]]]:
+        """One pass: hand out the tokens the last pass accepted (rows that end leave the batch),
+        then draft, verify in ONE target pass, and account."""
+        b = batch
+        yield from self._emit(b)
+        if b.done:
+            return
+        self._catch_up(b)
+        t0 = time.perf_counter()
+        prop, caps = self._draft(b, self._room(b) - 1)
+        _sync(self.device)
+        t1 = time.perf_counter()
+        self._verify(b, prop)
+        _sync(self.device)
+        self._account(b, prop, caps, t1 - t0, time.perf_counter() - t1)
+
     def start(self, req: Request) -> "Batch":
-        """Prefill a request's rows: the target's first token comes from the prompt alone. Each batch
-        has its own KV state and drafter state (the engine's drafter, or a fork of it while another
-        batch holds it), so batches may be stepped in any order."""
-        dev = self.device
+        """Prefill a request's rows: the prompt through the target, whose last position is judged
+        as the verify of an empty proposal (the same choice, sampling and logprobs as every pass)
+        to give each row its first token. Each batch has its own KV state and drafter state
+        (the engine's drafter, or a fork of it while another batch holds it), so batches may be
+        stepped in any order."""
         drafter = self.drafter if not self.drafter_busy else self.drafter.fork()
+        n = len(req.prompts)
+        most = req.gamma if isinstance(req.gamma, int) else self._gamma_max(req, drafter)
+        longest = max(len(p) for p in req.prompts)
+        max_tokens = min(longest + max(req.limit(r) for r in range(n)), self.context_length) + 2 * most + 2
+        state = self.backend.new_state(n, max_tokens)
+        try:
+            return self._prefill(req, state, drafter, most, max_tokens)
+        except BaseException:  # a failed prefill (memory, a drafter's start) gives its cache back
+            self.backend.release(state)
+            raise
+
+    def _prefill(self, req: Request, state, drafter: Drafter, most: int, max_tokens: int) -> "Batch":
+        dev, n, t0 = self.device, len(req.prompts), time.perf_counter()
         proc = LogitsProcessing(req.row_params(), self.vocab_size)
         generator = torch.Generator(device=dev)
         # the batch's stream (drafters, unseeded rows); seeded rows draw from streams of their own
         generator.manual_seed(row_seed(req.seed, -1) if isinstance(req.seed, int)  # any int: mixed into 63 bits
                               else int(torch.randint(0, 2**62, (1,))))
         stats = dict(drafter=drafter.describe(), gamma=req.gamma, backend=self.backend.info())
-        n = len(req.prompts)
-        rows = [Row(list(p), req.limit(r), req.stop_for(r), _cancel(req.cancelled, r),
+        rows = [Row(list(p), req.limit(r), req.stop_for(r), _cancel(req.cancelled, r), t0=t0,
                     logprobs=None if top is None else [], stats=Stats(**stats))
                 for r, (p, top) in enumerate(zip(req.prompts, req.row_logprobs()))]
-        most = req.gamma if isinstance(req.gamma, int) else self._gamma_max(req, drafter)
-        auto = GammaController(n, most, costs=self.costs) if req.gamma == "auto" else None
-        t0 = time.perf_counter()
-        for r in rows:
-            r.t0 = t0
-        longest = max(len(p) for p in req.prompts)
-        max_tokens = min(longest + max(r.limit for r in rows), self.context_length) + 2 * most + 2
-        state = self.backend.new_state(n, max_tokens)
-        try:
-            return self._prefill(req, rows, state, drafter, proc, generator, auto, max_tokens, t0)
-        except BaseException:  # a failed prefill (memory, a drafter's start) gives its cache back
-            self.backend.release(state)
-            raise
-
-    def _prefill(self, req, rows, state, drafter, proc, generator, auto, max_tokens, t0) -> "Batch":
-        dev, n = self.device, len(rows)
+        per_pass = drafter.block_drafts or drafter.makes_trees  # a pass's drafting cost does not grow with γ
+        control = (GammaController(n, most, costs=self.costs, trees=drafter.makes_trees, per_pass=per_pass)
+                   if req.gamma == "auto" else FixedGamma(req.gamma, self.costs, per_pass))
         tokens, valid = left_pad(req.prompts, dev)
         history = TokenHistory(req.prompts, self.vocab_size, dev, proc) if proc.uses_context else None
-        context = history.after(tokens[:, :0]) if history is not None else None
-        seeded = SeededRows(req.row_seeds(), dev)
         taps = tuple(drafter.hidden_layers)
+        b = Batch(rows=rows, slots=[Slot(r, top) for r, top in enumerate(req.row_logprobs())], req=req, proc=proc,
+                  generator=generator, state=state, drafter=drafter, history=history,
+                  seeded=SeededRows(req.row_seeds(), dev), control=control, taps=taps)
         out = state.append(tokens, valid, last_only=True, taps=taps)
         logits, hidden = out if taps else (out, None)
-        scores = proc.scores(logits[:, -1], context)
-        probs = None if proc.greedy else proc.warp(scores)  # a greedy row among sampled ones: one-hot
-        if probs is None:
-            pending = argmax(scores)
-        else:
-            pending = seeded.override(probs, torch.multinomial(probs, 1, generator=generator).squeeze(1))
-        seeded.advance([1] * n)
-        top_n = req.row_logprobs()
-        logprobs = _logprobs(top_n, proc, scores[:, None], None if probs is None else probs[:, None],
-                             pending[:, None], [1] * n)
+        empty = self._empty(n)
+        nxt, n_acc, logp = self._decide(b, logits[:, -1:], empty)
+        prompt_hidden = [hidden[b_, valid[b_]] for b_ in range(n)] if taps else None
+        # hidden states of the tokens the last pass cached: none yet (the prompt's go to the drafter's start)
+        self._hand_over(b, nxt, n_acc, nxt[:, None], logp, [h[:0] for h in prompt_hidden] if taps else None)
         _sync(dev)
         for r in rows:
             r.stats.target_seconds = r.stats.first_token_seconds = time.perf_counter() - t0
             r.stats.count_pass(0, 0)
-        prompt_hidden = [hidden[b, valid[b]] for b in range(n)] if taps else None
         drafter.start(DraftContext(req.prompts, proc, generator, dev, self.vocab_size, max_tokens, state,
-                                   prompt_hidden, seeded))
-        # fed: hidden states of the tokens the last pass cached (none yet: the prompt's went to start)
-        fed = [h[:0] for h in prompt_hidden] if taps else None
+                                   prompt_hidden, b.seeded))
         self.drafter_busy |= drafter is self.drafter
-        return Batch(rows, list(range(n)), req, proc, generator, state, drafter, history, seeded, auto, taps,
-                     pending, [[t] for t in pending.tolist()], [0] * n, fed, top_n, logprobs)
-
-    def step(self, batch: "Batch") -> Iterator[tuple[int, list[int]]]:
-        """One pass: hand out the tokens the last pass accepted (rows that end leave the batch),
-        then draft, verify (one target pass) and account."""
-        b = batch
-        self.state, self.slots = b.state, b.active  # for inspection (tests of the rollback invariant)
-        b.active, keep_slots = yield from self._emit(b)
-        if not b.active:
-            b.done = True
-            return
-        self.slots = b.active
-        if len(keep_slots) < len(b.new):
-            b.shrink(keep_slots)
-        if b.history is not None:
-            b.history.extend(b.new)
-        if b.fed is not None:
-            b.drafter.observe_hidden(b.fed)
-        b.drafter.update(b.new, b.n_acc)
-        # drafts never run past max_new_tokens or the context
-        room = min(min(b.rows[r].limit - len(b.rows[r].tokens) for r in b.active),
-                   self.context_length - int(b.state.lengths().max()) - 1)
-        td = time.perf_counter()
-        prop, caps = self._draft(b, room - 1)
-        _sync(self.device)
-        tt = time.perf_counter()
-        wants_logprobs = any(t is not None for t in b.top_n)
-        n, b.pending, emitted, logp, b.fed = self._verify(b.state, b.pending, prop, b.history, b.proc, b.generator,
-                                                          b.taps, b.seeded, wants_logprobs)
-        b.n_acc = n.tolist()
-        b.seeded.advance([k + 1 for k in b.n_acc])
-        b.logprobs = token_logprobs(logp, emitted, [k + 1 for k in b.n_acc], b.top_n) if wants_logprobs else None
-        _sync(self.device)
-        tv = time.perf_counter()
-        b.new = [e[: k + 1] for e, k in zip(emitted.tolist(), b.n_acc)]
-        self._account(b, prop, caps, tt - td, tv - tt)
+        return b
 
     def join(self, batch: "Batch", other: "Batch") -> None:
         """Rows of ``other`` join ``batch`` before its next pass (see Batch.can_join)."""
@@ -338,124 +311,147 @@ class Engine:
             most = longest if drafter.free_drafts else 8
         return min(most, drafter.max_gamma or most)
 
-    def _draft(self, b: "Batch", room: int) -> tuple[Proposal, list[int]]:
-        """Propose, within ``room`` draft tokens: a chain of γ tokens per row (γ chosen first), or
-        a token tree asked for at its whole budget and then cut to the nodes worth verifying.
-        Returns the proposal and each row's cap (γ, or nodes kept)."""
-        auto, trees, batch = b.auto, b.drafter.makes_trees, len(b.active)
-        if auto is None:
-            gamma = max(0, min(b.req.gamma, room))
-        elif trees:
-            gamma = auto.tree_budget(room)
-        else:
-            gamma, caps = auto.choose(room)
-        prop = b.drafter.propose(gamma) if gamma > 0 else self._empty(batch)
-        check_proposal(prop, batch, gamma, self.vocab_size, self.device)
-        if auto is not None and trees and prop.parents is not None:
-            caps = auto.choose_tree(prop.scores, depths(prop.parents), prop.lengths, gamma)
-        elif auto is None or trees:
-            caps = [gamma] * batch
-        return _cap(prop, caps, lambda width: b.state.block_width(width, room)), caps
-
-    def _verify(self, state, pending, prop: Proposal, history, proc: LogitsProcessing, generator, taps: tuple,
-                seeded: SeededRows, logprobs: bool = False):
-        """Score [pending token + drafts] in ONE target pass, accept, and keep exactly the accepted
-        text in the cache. Returns (accepted drafts n [B], next token [B], emitted tokens
-        [B, ≥ max n + 1] (row b's first n[b] + 1 count), with ``logprobs`` the log-probabilities
-        they came from (else None), and with ``taps`` the tapped hidden states of the tokens now
-        cached per row [n[b] + 1, k, H])."""
-        block = torch.cat([pending[:, None], prop.tokens], dim=1)
-        start = state.lengths()
-        tree = seen = None
-        if prop.parents is not None:
-            tree = block_layout(prop.parents)
-            seen = tree[1][:, :, 1:]  # block position t has seen the nodes that are its ancestors
-        out = state.append(block, tree=tree, taps=taps)
-        logits, hidden = out if taps else (out, None)
-        context = history.block(prop.tokens, seen) if history is not None else None
-        scores = proc.scores(logits, context)
-        probs = None if proc.greedy else proc.warp(scores)
-        n, nxt, path = _accept(scores, probs, prop, proc, generator, seeded)
-        logp = proc.logprob_source(scores, probs) if logprobs else None
-        if tree is None:
-            state.rollback(start + n + 1)
-            emitted = torch.cat([prop.tokens, nxt[:, None]], 1).scatter(1, n[:, None], nxt[:, None])
-            steps = torch.arange(block.shape[1], device=block.device)[None].expand(len(n), -1)
-        else:
-            state.keep_path(start, path, n)
-            steps = path_block_index(path, n)  # root + accepted nodes: where each emitted token was scored
-            emitted = block.gather(1, steps[:, 1:]) if steps.shape[1] > 1 else block[:, :0]
-            emitted = torch.cat([emitted, nxt[:, None]], 1).scatter(1, n[:, None], nxt[:, None])
-            if logp is not None:
-                logp = logp.gather(1, steps[..., None].expand(-1, -1, logp.shape[-1]))
-        fed = None
-        if taps:
-            fed = [hidden[b, steps[b, : k + 1]] for b, k in enumerate(n.tolist())]
-        return n, nxt, emitted, logp, fed
-
-    def _account(self, b: "Batch", prop: Proposal, caps: list[int], draft_seconds: float,
-                 verify_seconds: float) -> None:
-        """Per-row counters, and what the pass teaches the controller (acceptance, costs)."""
-        auto, n_acc = b.auto, b.n_acc
-        lens = prop.lengths.tolist()
-        # the block as the controller chose it: a block padded for CUDA graphs costs what that choice costs
-        width = max(lens, default=0) + 1
-        gamma = max(caps, default=0)
-        draft_cost = draft_seconds - (b.drafter.catchup_seconds if gamma > 0 else 0.0)
-        # judged positions per row: a chain's length, a tree's depth
-        depth = lens if prop.parents is None else tree_depth(prop.parents, prop.lengths).tolist()
-        per_pass = b.drafter.block_drafts or b.drafter.makes_trees  # a tree's cost does not grow with its nodes
-        if auto is None:  # fixed-γ passes teach the costs too
-            self.costs.observe_pass(gamma, len(lens) * width, draft_cost, verify_seconds, per_pass, batch=len(lens))
-        elif prop.parents is not None:
-            auto.observe_tree(width, lens, n_acc, _kept_scores(prop), draft_cost, verify_seconds)
-        else:
-            auto.observe(gamma, width, lens, n_acc, draft_cost, verify_seconds, per_pass)
-        for s, r in enumerate(b.active):
-            st = b.rows[r].stats
-            st.drafter_seconds += draft_seconds
-            st.target_seconds += verify_seconds
-            st.count_pass(depth[s], n_acc[s], caps[s], nodes=lens[s] if prop.parents is not None else 0)
-
-    def _empty(self, batch: int):
-        z = torch.zeros(batch, 0, dtype=torch.long, device=self.device)
-        return Proposal(z, torch.zeros(batch, dtype=torch.long, device=self.device))
-
+    # ---- a pass's steps, in order ----
     def _emit(self, b: "Batch"):
-        """Append each active row's new tokens, ending rows at EOS / stop / max_new_tokens / cancel."""
-        still, keep_slots = [], []
-        for slot, r in enumerate(b.active):
-            row, added, new = b.rows[r], [], b.new[slot]
-            if row.cancelled is not None and row.cancelled():
-                row.finish_reason, new = "abort", []
-            for tok in new:
-                added.append(tok)
-                if tok in self.eos:
-                    row.finish_reason = "eos"
-                    break
-                if len(row.tokens) + len(added) >= row.limit:
-                    row.finish_reason = "length"
-                    break
-                if len(row.prompt) + len(row.tokens) + len(added) >= self.context_length:
-                    row.finish_reason = "context"
-                    break
-            if row.stop is not None and not row.finish_reason:
-                cut = row.stop(row.tokens + added)
-                if cut is not None:
-                    added = added[: max(0, cut - len(row.tokens))]
-                    row.finish_reason = "stop"
+        """Append each row's new tokens, ending rows at EOS / stop / max_new_tokens / context /
+        cancel; the rows that end leave the batch."""
+        self.state, self.slots = b.state, b.active  # for inspection (tests of the rollback invariant)
+        keep = []
+        for i, slot in enumerate(b.slots):
+            row = b.rows[slot.row]
+            added = self._take(row, slot.new)
             row.tokens.extend(added)
-            if b.logprobs is not None and row.logprobs is not None:
-                row.logprobs.extend(b.logprobs[slot][: len(added)])
-            if added:  # all but a pass's last token were drafts (the prefill's one token is the target's)
-                yield r, Emitted(added, min(len(added), len(new) - 1))
+            if slot.logprobs is not None and row.logprobs is not None:
+                row.logprobs.extend(slot.logprobs[: len(added)])
+            if added:  # the first ``accepted`` of a pass's tokens were drafts; the last is the target's own
+                yield slot.row, Emitted(added, min(len(added), slot.accepted))
             if row.finish_reason:
                 row.finished = True
                 row.close()
             else:
-                still.append(r)
-                keep_slots.append(slot)
-        return still, keep_slots
+                keep.append(i)
+        if not keep:
+            b.done, b.slots = True, []
+        elif len(keep) < len(b.slots):
+            b.shrink(keep)
+        self.slots = b.active
+
+    def _take(self, row: Row, new: list[int]) -> list[int]:
+        """What of ``new`` the row keeps; sets its finish_reason where it ends."""
+        if row.cancelled is not None and row.cancelled():
+            row.finish_reason = "abort"
+            return []
+        added = []
+        for tok in new:
+            added.append(tok)
+            if tok in self.eos:
+                row.finish_reason = "eos"
+            elif len(row.tokens) + len(added) >= row.limit:
+                row.finish_reason = "length"
+            elif len(row.prompt) + len(row.tokens) + len(added) >= self.context_length:
+                row.finish_reason = "context"
+            if row.finish_reason:
+                break
+        if row.stop is not None and not row.finish_reason:
+            cut = row.stop(row.tokens + added)
+            if cut is not None:
+                row.finish_reason = "stop"
+                return added[: max(0, cut - len(row.tokens))]
+        return added
+
+    def _catch_up(self, b: "Batch") -> None:
+        """The drafter (and the penalties' counts) learn what the last pass accepted."""
+        new = [s.new for s in b.slots]
+        if b.history is not None:
+            b.history.extend(new)
+        if b.taps:
+            b.drafter.observe_hidden([s.fed for s in b.slots])
+        b.drafter.update(new, [s.accepted for s in b.slots])
+
+    def _room(self, b: "Batch") -> int:
+        """Tokens the rows may still grow by this pass: drafts never run past max_new_tokens or the context."""
+        return min(min(b.rows[r].limit - len(b.rows[r].tokens) for r in b.active),
+                   self.context_length - int(b.state.lengths().max()) - 1)
+
+    def _draft(self, b: "Batch", room: int) -> tuple[Proposal, list[int]]:
+        """Propose within ``room`` draft tokens: the budget the γ control chooses (a chain's γ, or a
+        tree's whole budget), then each row's cap (its γ, or the tree nodes worth verifying).
+        Returns the capped proposal and the caps."""
+        batch = len(b.slots)
+        budget = b.control.budget(room)
+        prop = b.drafter.propose(budget) if budget > 0 else self._empty(batch)
+        check_proposal(prop, batch, budget, self.vocab_size, self.device)
+        caps = b.control.caps(prop, budget)
+        return _cap(prop, caps, lambda width: b.state.block_width(width, room)), caps
+
+    def _verify(self, b: "Batch", prop: Proposal) -> None:
+        """Score [pending token + drafts] in ONE target pass, accept, and keep exactly the accepted
+        text in the cache; the accepted tokens wait in the slots for the next pass's ``_emit``."""
+        block = torch.cat([b.pending[:, None], prop.tokens], dim=1)
+        start = b.state.lengths()
+        tree = None
+        if prop.parents is not None:
+            tree = block_layout(prop.parents)
+        out = b.state.append(block, tree=tree, taps=b.taps)
+        logits, hidden = out if b.taps else (out, None)
+        nxt, n, logp = self._decide(b, logits, prop, seen=None if tree is None else tree[1][:, :, 1:])
+        if tree is None:
+            b.state.rollback(start + n + 1)
+            steps = torch.arange(block.shape[1], device=block.device)[None].expand(len(n), -1)
+            emitted = prop.tokens
+        else:
+            b.state.keep_path(start, b.path, n)
+            steps = path_block_index(b.path, n)  # root + accepted nodes: where each emitted token was scored
+            emitted = block.gather(1, steps[:, 1:]) if steps.shape[1] > 1 else block[:, :0]
+            if logp is not None:
+                logp = logp.gather(1, steps[..., None].expand(-1, -1, logp.shape[-1]))
+        emitted = torch.cat([emitted, nxt[:, None]], 1).scatter(1, n[:, None], nxt[:, None])
+        fed = [hidden[i, steps[i, : k + 1]] for i, k in enumerate(n.tolist())] if b.taps else None
+        self._hand_over(b, nxt, n, emitted, logp, fed)
+
+    def _decide(self, b: "Batch", logits: torch.Tensor, prop: Proposal, seen=None):
+        """Each row's accepted drafts and next token from the target's logits over a block
+        (position t has seen the first t drafts, or for a tree the nodes ``seen`` marks): (next
+        token [B], accepted n [B], what logprobs report [B, T, V] or None); a tree's accepted path
+        goes to ``b.path``."""
+        context = b.history.block(prop.tokens, seen) if b.history is not None else None
+        scores = b.proc.scores(logits, context)
+        probs = None if b.proc.greedy else b.proc.warp(scores)  # a greedy row among sampled ones: one-hot
+        n, nxt, b.path = _accept(scores, probs, prop, b.proc, b.generator, b.seeded)
+        wants = any(s.top_n is not None for s in b.slots)
+        return nxt, n, b.proc.logprob_source(scores, probs) if wants else None
+
+    def _hand_over(self, b: "Batch", nxt, n, emitted, logp, fed) -> None:
+        """The pass's result into the slots: row i's first n[i] + 1 emitted tokens (n[i] accepted
+        drafts and the target's own), their logprobs, and the hidden states now cached."""
+        counts = [k + 1 for k in n.tolist()]
+        b.pending = nxt
+        b.seeded.advance(counts)
+        entries = token_logprobs(logp, emitted, counts, [s.top_n for s in b.slots]) if logp is not None else None
+        for i, (slot, tokens) in enumerate(zip(b.slots, emitted.tolist())):
+            slot.new, slot.accepted = tokens[: counts[i]], counts[i] - 1
+            slot.logprobs = entries[i] if entries is not None else None
+            slot.fed = fed[i] if fed is not None else None
+
+    def _account(self, b: "Batch", prop: Proposal, caps: list[int], draft_seconds: float,
+                 verify_seconds: float) -> None:
+        """Per-row counters, and what the pass teaches the γ control (acceptance, costs)."""
+        accepted = [s.accepted for s in b.slots]
+        drafted = max(caps, default=0) > 0
+        draft_cost = draft_seconds - (b.drafter.catchup_seconds if drafted else 0.0)
+        b.control.learn(prop, caps, accepted, draft_cost, verify_seconds)
+        lens = prop.lengths.tolist()
+        # judged positions per row: a chain's length, a tree's depth
+        depth = lens if prop.parents is None else tree_depth(prop.parents, prop.lengths).tolist()
+        for i, slot in enumerate(b.slots):
+            st = b.rows[slot.row].stats
+            st.drafter_seconds += draft_seconds
+            st.target_seconds += verify_seconds
+            st.count_pass(depth[i], accepted[i], caps[i], nodes=lens[i] if prop.parents is not None else 0)
+
+    def _empty(self, batch: int):
+        z = torch.zeros(batch, 0, dtype=torch.long, device=self.device)
+        return Proposal(z, torch.zeros(batch, dtype=torch.long, device=self.device))
 
 
 def _accept(scores: torch.Tensor, probs: torch.Tensor | None, prop: Proposal, proc: LogitsProcessing, generator,
@@ -486,63 +482,71 @@ def _accept(scores: torch.Tensor, probs: torch.Tensor | None, prop: Proposal, pr
                  for a, b in zip(chosen, sampled))
 
 
-def _logprobs(top_n: list[int | None], proc: LogitsProcessing, scores, probs, tokens, count: list[int]):
-    """Logprob entries of each row's first count[b] tokens (None for rows that asked for none)."""
-    if all(t is None for t in top_n):
-        return None
-    return token_logprobs(proc.logprob_source(scores, probs), tokens, count, top_n)
-
-
 def _cancel(cancelled, row: int):
     """Request.cancelled(row) as a row's own callable."""
     return None if cancelled is None else (lambda: cancelled(row))
 
 
 @dataclass
+class Slot:
+    """A running row's place in its batch, and what its last pass produced, not yet handed out."""
+
+    row: int  # index into Batch.rows
+    top_n: int | None  # the logprobs alternatives its row asked for (None: no logprobs)
+    new: list[int] = field(default_factory=list)  # the tokens the last pass accepted
+    accepted: int = 0  # how many of them were draft tokens
+    logprobs: list | None = None  # their logprobs entries
+    fed: torch.Tensor | None = None  # hidden states of the tokens the last pass cached (trained drafters)
+
+
+@dataclass
 class Batch:
-    """Rows generating together: one KV state, one drafter state, one γ controller. Rows leave as
+    """Rows generating together: one KV state, one drafter state, one γ control. Rows leave as
     they finish (``shrink``); the rows of another batch with the same γ setting can join it
     between passes (``join``), so a server decodes requests that arrive at different times as one
-    batch. ``active``: batch slot -> index into ``rows``."""
+    batch. ``slots``: the running rows, in the order of the state's rows."""
 
     rows: list[Row]
-    active: list[int]
+    slots: list[Slot]
     req: Request  # the request that started it (γ and its bound: what every row shares)
     proc: LogitsProcessing
     generator: torch.Generator
     state: object
     drafter: Drafter
     history: TokenHistory | None
-    seeded: SeededRows | None  # sampling batches: which rows are seeded, and where each stands
-    auto: GammaController | None
+    seeded: SeededRows  # which rows are seeded, and where each stands
+    control: FixedGamma | GammaController
     taps: tuple
-    pending: torch.Tensor  # [B] each row's next token, not yet in the target's cache
-    new: list[list[int]]  # per slot, the tokens the last pass accepted (not yet handed out)
-    n_acc: list[int]
-    fed: list | None  # per slot, hidden states of the tokens the last pass cached
-    top_n: list  # per slot, the logprobs alternatives its row asked for (None: no logprobs)
-    logprobs: list | None
+    pending: torch.Tensor | None = None  # [B] each row's next token, not yet in the target's cache
+    path: torch.Tensor | None = None  # a tree pass's accepted path
     done: bool = False
+
+    @property
+    def active(self) -> list[int]:
+        """The running rows (indices into ``rows``), in slot order."""
+        return [s.row for s in self.slots]
+
+    def _parts(self, other: "Batch | None" = None):
+        """The per-row parts that follow the batch's rows (with ``other``'s counterparts)."""
+        names = ("proc", "history", "seeded", "drafter", "control")
+        return [(getattr(self, k), getattr(other, k) if other is not None else None) for k in names
+                if getattr(self, k) is not None]
 
     def shrink(self, keep: list[int]) -> None:
         """Only these slots go on (the other rows finished)."""
         idx = torch.tensor(keep, device=self.pending.device)
         self.state.select(idx)
         self.pending = self.pending[idx]
-        for part in (self.proc, self.history, self.seeded, self.drafter, self.auto):
-            if part is not None:
-                part.select(keep)
-        self.new, self.n_acc = [self.new[i] for i in keep], [self.n_acc[i] for i in keep]
-        self.top_n = [self.top_n[i] for i in keep]
-        self.fed = [self.fed[i] for i in keep] if self.fed is not None else None
-        self.logprobs = [self.logprobs[i] for i in keep] if self.logprobs is not None else None
+        for part, _ in self._parts():
+            part.select(keep)
+        self.slots = [self.slots[i] for i in keep]
 
     @property
     def accepts_rows(self) -> bool:
         """Rows of another batch may join: its parts know how to join. (A seeded row's text does not
         depend on what else runs: see SeededRows.)"""
         return not self.done and all(
-            x is None or getattr(x, "joins", False) for x in (self.state, self.drafter, self.history, self.auto))
+            x is None or getattr(x, "joins", False) for x in (self.state, self.drafter, self.history, self.control))
 
     def can_join(self, other: "Batch") -> bool:
         """Whether ``other``'s rows may join this batch: both accept rows, the same γ setting, the
@@ -551,27 +555,19 @@ class Batch:
         a, b = self.req, other.req
         same = a.gamma == b.gamma and a.gamma_max == b.gamma_max and self.proc.forms == other.proc.forms
         parts = [(self.state, other.state), (self.drafter, other.drafter), (self.history, other.history),
-                 (self.auto, other.auto)]
+                 (self.control, other.control)]
         return same and self.accepts_rows and other.accepts_rows and all(type(x) is type(y) for x, y in parts)
 
     def join(self, other: "Batch") -> None:
         """Take ``other``'s rows (a batch just started, or stepped apart) into this one."""
         offset = len(self.rows)
         self.rows += other.rows
-        self.active += [r + offset for r in other.active]
+        self.slots += [replace(s, row=s.row + offset) for s in other.slots]
         self.state.join(other.state)
         self.pending = torch.cat([self.pending, other.pending])
-        for mine, theirs in ((self.proc, other.proc), (self.history, other.history), (self.seeded, other.seeded),
-                             (self.drafter, other.drafter), (self.auto, other.auto)):
-            if mine is not None:
-                mine.join(theirs)
-        if self.logprobs is not None or other.logprobs is not None:  # each slot's entries (or None)
-            self.logprobs = (self.logprobs or [None] * len(self.new)) + (other.logprobs or [None] * len(other.new))
-        self.new += other.new
-        self.n_acc += other.n_acc
-        self.top_n += other.top_n
-        self.fed = self.fed + other.fed if self.fed is not None else None
-        other.done, other.rows, other.active = True, [], []
+        for mine, theirs in self._parts(other):
+            mine.join(theirs)
+        other.done, other.rows, other.slots = True, [], []
 
 
 def _cap(prop: Proposal, caps: list[int], block_width=None) -> Proposal:
@@ -592,18 +588,6 @@ def _cap(prop: Proposal, caps: list[int], block_width=None) -> Proposal:
 
     tokens = fit(prop.tokens) if width else prop.tokens[:, :0]
     return Proposal(tokens, lengths, fit(prop.probs), fit(prop.parents, -1), fit(prop.scores))
-
-
-def _kept_scores(prop: Proposal) -> list[list[float]]:
-    """Per row and depth, the summed scores of the verified nodes: the drafter's estimate of the
-    chance the accepted path reaches that depth."""
-    B, N = prop.tokens.shape
-    if prop.scores is None or N == 0:
-        return [[] for _ in range(B)]
-    real = torch.arange(N, device=prop.scores.device)[None] < prop.lengths[:, None]
-    d = depths(prop.parents)
-    by_depth = torch.zeros(B, N + 1, device=prop.scores.device).scatter_add_(1, d, prop.scores.float() * real)
-    return [row[1 : int(k) + 1] for row, k in zip(by_depth.tolist(), tree_depth(prop.parents, prop.lengths).tolist())]
 
 
 def check_proposal(prop: Proposal, batch: int, gamma: int, vocab: int, device: torch.device) -> None:

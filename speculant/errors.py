@@ -1,4 +1,6 @@
 """The one exception type users see: a one-line message that says what is wrong and what to do."""
+import tempfile
+from pathlib import Path
 
 
 class SpeculantError(ValueError):
@@ -9,9 +11,6 @@ def check_writable(out, flag: str = "--out", beside: bool = False) -> None:
     """Fail now, not after minutes of work, where ``out`` (a folder written into, or with
     ``beside``, one written next to itself and renamed into place) cannot be written: a scratch
     folder is made and removed where the files will go (or its nearest existing parent)."""
-    import tempfile
-    from pathlib import Path
-
     folder = Path(out).resolve()
     folder = folder if folder.is_dir() and not beside else folder.parent
     while not folder.exists() and folder != folder.parent:

@@ -15,7 +15,6 @@ MAX_LOGPROBS = 20  # alternatives per token (OpenAI's bound)
 MAX_STOPS = 16  # stop strings per request
 MAX_STOP_CHARS = 500  # characters per stop string
 MAX_LOGIT_BIAS = 1024  # biased tokens per request
-SEED_RANGE = (-(2**63), 2**64 - 1)  # what a 64-bit seed holds, signed or not
 MEMORY_SHARE = 0.5  # of the memory free when a generator is built: the default budget of one request
 
 

@@ -28,7 +28,7 @@ def _no_dtype_measurement(request, monkeypatch):
     tests of that choice itself (tests/test_cpu_choice.py)."""
     if request.module.__name__.endswith("test_cpu_choice"):
         return
-    from speculant.models import cpu_choice
+    from speculant.tools import cpu_choice
 
     def pinned(spec, drafter="none", rounds=2, log=None):
         return cpu_choice.Choice("float32", cpu_choice.best_path(spec), {"float32": 0.0})

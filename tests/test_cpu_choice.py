@@ -1,11 +1,11 @@
-"""dtype "auto" on a CPU (models/cpu_choice.py): measured once per machine and model, cached, reported."""
+"""dtype "auto" on a CPU (tools/cpu_choice.py): measured once per machine and model, cached, reported."""
 import json
 
 import pytest
 
 import speculant
 from speculant.cli import main
-from speculant.models import cpu_choice
+from speculant.tools import cpu_choice
 from helpers import hf_greedy, save_tiny_folder
 
 

@@ -114,7 +114,7 @@ def test_bfloat16_compiled_fast_path_differs_from_hf_only_at_near_ties(choice):
 def test_the_shipped_drafter_is_the_default_models_default(default_model):
     """The EAGLE head trained for the default target ships in the package (no download) and, merged
     with prompt lookup, is what a user gets without --drafter."""
-    from speculant.trained.format import shipped_for
+    from speculant.drafters.registry import shipped_for
 
     folder = shipped_for(default_model.model, "eagle")
     assert folder is not None and folder.is_relative_to(speculant.__path__[0])

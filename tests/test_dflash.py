@@ -12,8 +12,8 @@ from speculant.cli import main
 from speculant.drafters.dflash import load_dflash
 from speculant.errors import SpeculantError
 from speculant.models.backend import Backend
-from speculant.trained.dflash import DFlashNet
-from speculant.trained.format import dflash_config, save_folder
+from speculant.trained.dflash import DFlashNet, dflash_config
+from speculant.trained.format import save_folder
 from helpers import hf_greedy, mismatch_report, save_tiny_folder, tiny_llama
 from test_engine_sampling import PARAMS, exact_distribution, fit_pvalue, peaked, sample_counts
 
@@ -190,7 +190,7 @@ def _jsonl(path, n=24):
 
 
 def test_training_lowers_the_loss_and_writes_a_loadable_folder(tmp_path):
-    from speculant.trained.train import TrainSettings, run_train
+    from speculant.tools.train import TrainSettings, run_train
 
     target_dir = save_tiny_folder(tmp_path / "target", seed=0)
     data = _jsonl(tmp_path / "data.jsonl")
@@ -217,7 +217,7 @@ def test_the_feature_cache_builds_what_is_asked_and_grows_by_shards(tmp_path):
     at a fixed count of records), a later run asking more adds shards after the records already
     used, and one asking less takes a prefix."""
     from speculant.models.loading import load_model
-    from speculant.trained.train import Progress, TrainSettings, build_features, load_features
+    from speculant.tools.train import Progress, TrainSettings, build_features, load_features
 
     target = load_model(str(save_tiny_folder(tmp_path / "target", seed=0)))
     data = _jsonl(tmp_path / "data.jsonl")  # 24 records of ~30 tokens
@@ -287,7 +287,7 @@ def test_train_bad_input_is_one_line(tmp_path, capsys, monkeypatch, setup, args,
 def test_resume_refuses_a_checkpoint_of_another_shape(tmp_path):
     """--resume with settings the checkpoint's network does not have stops in one line instead of
     starting over and overwriting that checkpoint."""
-    from speculant.trained.train import TrainSettings, run_train
+    from speculant.tools.train import TrainSettings, run_train
 
     target = save_tiny_folder(tmp_path / "target", seed=0)
     common = dict(kind="eagle", target=str(target), data=str(_jsonl(tmp_path / "data.jsonl")), steps=1,
@@ -329,7 +329,7 @@ def test_train_and_run_on_a_second_architecture(tmp_path, kind):
     drafts losslessly."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    from speculant.trained.train import TrainSettings, run_train
+    from speculant.tools.train import TrainSettings, run_train
 
     torch.manual_seed(0)
     cfg = Gemma3TextConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,

@@ -148,7 +148,7 @@ def test_the_loss_is_the_decayed_mean_kl_of_each_steps_answer_rows():
 def trained(tmp_path_factory):
     """A tiny target (a folder with a tokenizer) and an EAGLE head `speculant train` trained on its
     own greedy answers: a drafter that is often right, so deep tree paths get accepted."""
-    from speculant.trained.train import TrainSettings, run_train
+    from speculant.tools.train import TrainSettings, run_train
 
     tmp = tmp_path_factory.mktemp("eagle")
     target_dir = save_tiny_folder(tmp / "target", seed=0)

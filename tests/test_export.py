@@ -24,7 +24,8 @@ def test_model_free_drafters_map_to_vllm_methods(drafter):
 def test_a_dflash_folder_exports_its_path_and_block(tmp_path, capsys):
     from helpers import tiny_llama
     from speculant.trained.dflash import DFlashNet
-    from speculant.trained.format import dflash_config, save_folder
+    from speculant.trained.dflash import dflash_config
+    from speculant.trained.format import save_folder
 
     cfg = dflash_config(tiny_llama(0), "tiny", layers=1, taps=[0, 1], block_size=6, mask_token_id=95)
     save_folder(tmp_path / "d", cfg, dict(DFlashNet(cfg).state_dict()))

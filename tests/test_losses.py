@@ -46,7 +46,7 @@ def test_head_kl_under_bf16_autocast_matches_the_float32_loss():
 def test_training_autocasts_to_bf16_only_where_features_are_bf16(monkeypatch, native):
     """A CPU without native bf16 matmuls (AVX2) trains in float32; one with them (AVX512-BF16/AMX)
     under bf16 autocast; an explicit --dtype float32 never autocasts."""
-    from speculant.trained.train import mixed_precision
+    from speculant.tools.train import mixed_precision
 
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native, raising=False)
     x = torch.randn(2, 4)

@@ -126,7 +126,7 @@ def test_refusals_are_one_line(tmp_path, capsys):
 
 
 def test_training_lowers_the_loss_and_the_folder_drafts_losslessly(tmp_path):
-    from speculant.trained.train import TrainSettings, run_train
+    from speculant.tools.train import TrainSettings, run_train
 
     target_dir = save_tiny_folder(tmp_path / "target", seed=0)
     data = _jsonl(tmp_path / "data.jsonl", n=48)

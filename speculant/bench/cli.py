@@ -7,8 +7,13 @@ import sys
 import time
 from pathlib import Path
 
+from ..drafters import DRAFTER_HELP
 from ..errors import SpeculantError, check_writable
-from .methods import AUTO
+from .methods import AUTO, MethodRunner
+from .metrics import mismatches, summarize
+from .prompts import read_prompts, select_prompts
+from .report import device_label, machine_info, write_results
+from .runner import BenchConfig, count_calls, plan, run_benchmark
 
 QUICK_PER_CATEGORY, QUICK_MAX_NEW_TOKENS = 2, 32
 
@@ -60,8 +65,6 @@ def _batch(v: str) -> int:
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
-    from ..drafters import DRAFTER_HELP
-
     b = subparsers.add_parser(
         "bench", help="benchmark drafters against HF generate",
         description="Spec-Bench-style benchmark: HF generate, HF assisted generation and speculant on the same "
@@ -103,12 +106,6 @@ def _slug(text: str) -> str:
 
 
 def cmd_bench(args) -> int:
-    from .methods import MethodRunner
-    from .metrics import mismatches, summarize
-    from .prompts import read_prompts, select_prompts
-    from .report import device_label, machine_info, write_results
-    from .runner import BenchConfig, count_calls, plan, run_benchmark
-
     max_new = args.max_new_tokens if args.max_new_tokens is not None else (
         QUICK_MAX_NEW_TOKENS if args.quick else 128)
     per_category = args.per_category if args.per_category is not None else (QUICK_PER_CATEGORY if args.quick else None)
@@ -135,7 +132,7 @@ def cmd_bench(args) -> int:
     print(f"speculant bench: {len(prompts)} prompts, {total} generate calls on {runner.device} "
           f"-> {out_dir}", file=sys.stderr)
 
-    from tqdm import tqdm
+    from tqdm import tqdm  # the progress bar: only once a bench runs
 
     with tqdm(total=total, desc="bench", unit="call", disable=args.no_progress, file=sys.stderr) as bar:
         records = run_benchmark(config, prompts, runner, progress=bar.update)

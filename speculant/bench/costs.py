@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -21,11 +20,15 @@ from pathlib import Path
 
 import torch
 
+from ..api import Generator, drain
 from ..drafters import ModelDrafter, NgramDrafter, NoDrafter
-from ..drafters.base import Drafter, Proposal
+from ..drafters.base import Drafter, Proposal, sync
 from ..engine import Engine, Request
+from ..models import cpu_kernels
 from ..models.backend import Backend
+from ..models.loading import load_model
 from ..sampling import SamplingParams
+from .report import machine_info
 
 SHAPES = {
     "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -35,11 +38,6 @@ SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False),
 }
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def timed(fn, device, repeats=10, warmup=3) -> float:
@@ -66,7 +64,7 @@ def copy_bandwidth(device, megabytes=1024) -> float:
 
 
 def random_llama(shape: str, device, dtype):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM  # a second or more to import: only when used
 
     cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=4096, rope_theta=500000.0)
     torch.manual_seed(0)
@@ -91,12 +89,7 @@ def weight_bytes(model) -> int:
 
 def run_engine(target, drafter, backend, prompt, n, gamma, eos=()):
     engine = Engine(target, drafter, set(eos), 1 << 20, backend)
-    it = engine.run(Request([prompt], SamplingParams(), n, gamma))
-    while True:
-        try:
-            next(it)
-        except StopIteration as done:
-            return done.value[0]
+    return drain(engine.run(Request([prompt], SamplingParams(), n, gamma)))[0]
 
 
 def decode_ms_per_token(model, backend, prompt, n, device, repeats=3) -> float:
@@ -173,7 +166,7 @@ def verify_costs(backend, prompt, device, widths, vocab, repeats=20) -> dict[int
 def hf_ms_per_token(model, prompt, n, device, repeats=3, **kw) -> float:
     """HF generate's ms per token after the prefill: a logits processor stamps the time of each
     step's scores, so the prefill (and its jitter) stays out, as in ``decode_ms_per_token``."""
-    from transformers import LogitsProcessorList
+    from transformers import LogitsProcessorList  # a second or more to import: only when used
 
     stamps: list[float] = []
 
@@ -286,9 +279,6 @@ def bench_prompts(per_category: int) -> list[tuple[str, str]]:
 
 def end_to_end(target_spec: str, device, dtype, n=128, per_category=2, gamma=5, log=print, compile=False) -> dict:
     """A real target: HF generate / HF prompt lookup vs speculant none / ngram (fast path), same prompts."""
-    from ..api import Generator
-    from ..models.loading import load_model
-
     lm = load_model(target_spec, device=device, dtype=dtype)
     model = lm.model
     prompts = bench_prompts(per_category)
@@ -364,9 +354,6 @@ def end_to_end(target_spec: str, device, dtype, n=128, per_category=2, gamma=5, 
 def kernel_table(target_spec: str, device, bandwidth: float, n=32, prompt_len=128, log=print) -> dict:
     """CPU: per dtype and matmul-kernel choice, plain decoding ms/token and one verify pass of 1-9
     tokens, beside HF generate in the same dtype and the bandwidth floor (issue: every CPU)."""
-    from ..models import cpu_kernels
-    from ..models.loading import load_model
-
     rows = []
     for dtype in ("float32", "bfloat16"):
         model = load_model(target_spec, device=device, dtype=dtype).model
@@ -408,7 +395,7 @@ def kernel_table_markdown(table: dict) -> str:
 
 
 def plot_kernel_table(table: dict, out: Path) -> None:
-    import matplotlib
+    import matplotlib  # plots only: matplotlib is slow to import
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -434,19 +421,6 @@ def plot_kernel_table(table: dict, out: Path) -> None:
     axes[1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "kernels.png", dpi=120)
-
-
-def machine_info(device) -> dict:
-    import transformers
-
-    from ..models.cpu_choice import machine_key
-    from ..models.cpu_kernels import cpu_capability
-
-    info = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "cpu": machine_key().split("|")[0], "cpu_capability": cpu_capability(), "threads": torch.get_num_threads()}
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name()
-    return info
 
 
 def main(argv=None) -> int:
@@ -501,7 +475,7 @@ def main(argv=None) -> int:
 
 
 def plot_costs(result, out: Path) -> None:
-    import matplotlib
+    import matplotlib  # plots only: matplotlib is slow to import
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -7,15 +7,20 @@ and per prompt row the new token ids and the counters the metrics are computed f
 from __future__ import annotations
 
 import contextlib
+import resource
+import sys
 import time
 from dataclasses import dataclass
 
 import torch
 
-from ..api import Generator, load
-from ..drafters import make_drafter, validate_drafter_spec
+from ..api import Generator
+from ..drafters import check_spec, make_drafter, parse_spec
+from ..drafters.base import sync
+from ..drafters.model import load_draft
 from ..errors import SpeculantError
 from ..models.loading import resolve_device
+from ..tools.loader import load
 from .prompts import BenchPrompt
 
 HF_GENERATE = "hf generate"
@@ -47,10 +52,10 @@ def methods_for(drafters: list[str]) -> list[Method]:
     Hugging Face has the same drafter (prompt lookup for ngram, assistant_model for model:PATH)."""
     out = [Method(HF_GENERATE, "hf", "none"), Method(SPECULANT_NONE, "speculant", "none")]
     for d in drafters:
-        validate_drafter_spec(d)
-        if d == "none":
+        spec = check_spec(d)
+        if spec.kind == "none":
             continue
-        if d == "ngram" or d.startswith("model:"):
+        if spec.text == "ngram" or spec.kind == "model":
             out.append(Method(f"hf assisted {d}", "hf_assisted", d))
         out.append(Method(f"speculant {d}", "speculant", d))
     return out
@@ -92,9 +97,6 @@ class PeakMemory:
         elif self.kind == "process_peak_rss":
             self.peak = _proc_status("VmHWM")
         else:
-            import resource
-            import sys
-
             rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             self.peak = int(rss if sys.platform == "darwin" else rss * 1024)
         return False
@@ -134,11 +136,6 @@ class CountCalls:
         return False
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class MethodRunner:
     """Holds the target, one speculant Generator per drafter and the HF assistant models."""
 
@@ -162,13 +159,12 @@ class MethodRunner:
                 # other settings) must not draft from its own earlier output: a bench measures new requests
                 drafter.forget_same_prompt = True
             self.generators[d] = Generator(self.target, drafter, path=path)
-            if d.startswith("model:"):
+            spec = parse_spec(d)
+            if spec.kind == "model":
                 # make_drafter's load is memoised: this is the very model speculant drafts with
-                from ..models.loading import load_model
-
-                loaded = load_model(d[len("model:"):], device=self.device, dtype=self.target.model.dtype)
+                loaded = load_draft(spec.arg, self.target)
                 self.assistants[d] = loaded.model
-                if _vocab(loaded.model) != _vocab(self.target.model):  # HF's universal assisted generation
+                if loaded.vocab_size != self.target.vocab_size:  # HF's universal assisted generation
                     self.assistant_tokenizers[d] = loaded.tokenizer
         tok = self.target.tokenizer
         eos = self.target.eos_token_ids
@@ -189,11 +185,11 @@ class MethodRunner:
             max_new_tokens: int, seed: int) -> dict:
         """One timed call; returns the raw record."""
         runner = self._speculant if method.kind == "speculant" else self._hf
-        _sync(self.device)
+        sync(self.device)
         with PeakMemory(self.device) as mem:
             t0 = time.perf_counter()
             rows, extra = runner(method, setting, ids, max_new_tokens, seed)
-            _sync(self.device)
+            sync(self.device)
             seconds = time.perf_counter() - t0
         for row, p in zip(rows, batch):
             row["prompt_id"], row["category"] = p.id, p.category
@@ -262,10 +258,6 @@ class MethodRunner:
             rows.append({"token_ids": r[:cut], "new_tokens": cut, "target_forward_passes": calls.count,
                          "draft_tokens": None, "accepted_draft_tokens": None, "acceptance_by_position": None})
         return rows, {}
-
-
-def _vocab(model: torch.nn.Module) -> int:
-    return int(model.get_output_embeddings().weight.shape[0])
 
 
 @contextlib.contextmanager

@@ -8,6 +8,10 @@ import os
 import platform
 from pathlib import Path
 
+import torch
+
+from ..models.cpu_kernels import cpu_capability
+from ..version import __version__
 from .methods import HF_GENERATE, SPECULANT_NONE
 from .metrics import ALL, find, mismatches, sweep_series
 
@@ -26,13 +30,12 @@ def cpu_model() -> str:
 
 
 def machine_info(device) -> dict:
-    import torch
-    import transformers
-
-    from .. import __version__
+    """The machine a run measured: CPU (its ISA and threads), GPU, library versions."""
+    import transformers  # takes a second to import: only with a model to run (loaded by then)
 
     info = {
-        "cpu": cpu_model(), "cpu_count": os.cpu_count(), "platform": platform.platform(),
+        "cpu": cpu_model(), "cpu_count": os.cpu_count(), "cpu_capability": cpu_capability(),
+        "threads": torch.get_num_threads(), "platform": platform.platform(),
         "python": platform.python_version(), "torch": torch.__version__,
         "transformers": transformers.__version__, "speculant": __version__,
         "device": str(device), "gpu": None, "hostname": platform.node(),
@@ -143,7 +146,7 @@ def flat_rows(records: list[dict]) -> list[dict]:
 
 
 def _plot_lines(path: Path, series: dict, values: list, xlabel: str, title: str) -> None:
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # plots only: matplotlib is slow to import
 
     fig, ax = plt.subplots(figsize=(9, 4.2))
     xs = list(range(len(values)))
@@ -165,7 +168,7 @@ def _plot_lines(path: Path, series: dict, values: list, xlabel: str, title: str)
 
 
 def plot_speedup_by_category(path: Path, summary: list[dict], categories: list[str]) -> None:
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # plots only: matplotlib is slow to import
 
     methods = [m for m in method_order(find(summary)) if m != HF_GENERATE]
     cols = categories + [ALL]
@@ -189,7 +192,7 @@ def plot_speedup_by_category(path: Path, summary: list[dict], categories: list[s
 
 
 def plot_acceptance_by_position(path: Path, summary: list[dict]) -> None:
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # plots only: matplotlib is slow to import
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for s in find(summary, category=ALL):
@@ -230,7 +233,7 @@ def sweeps(config, summary: list[dict]) -> dict:
 
 def write_results(out_dir: Path, config, prompts, records: list[dict], summary: list[dict], machine: dict) -> dict:
     """Write every output file; returns {name: path}."""
-    import matplotlib
+    import matplotlib  # plots only: matplotlib is slow to import
 
     matplotlib.use("Agg")
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -16,14 +16,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
 from ..errors import SpeculantError
+from ..server.background import BackgroundServer
+from ..tools.loader import load
 from .prompts import read_prompts
+from .report import cpu_model
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -32,7 +34,7 @@ def _quantile(xs: list[float], q: float) -> float:
 
 async def _level(url: str, model: str, prompts: list[str], requests: int, concurrency: int, max_tokens: int,
                  speculate: bool, chat: bool = True) -> dict:
-    import openai
+    import openai  # a test extra: only this load test's client uses it
 
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
     gate, latency, first, tokens, failures = asyncio.Semaphore(concurrency), [], [], [0], []
@@ -73,9 +75,7 @@ async def _level(url: str, model: str, prompts: list[str], requests: int, concur
 
 
 def run(args) -> dict:
-    from ..api import load
-    from ..server.app import create_app
-    from ..server.background import BackgroundServer
+    from ..server.app import create_app  # the serve extra (fastapi), installed apart
 
     prompts = [p.prompt for p in read_prompts(args.prompts)]
     gen = load(args.target, drafter=args.drafter, dtype=args.dtype, device=args.device)
@@ -103,7 +103,7 @@ def run(args) -> dict:
         served.close()
     stats = app.state.speculant["metrics"].totals
     return {"target": args.target, "drafter": gen.drafter.describe(), "backend": gen.backend.info(),
-            "max_tokens": args.max_tokens, "endpoint": "chat" if chat else "completions", "machine": platform.processor() or platform.machine(),
+            "max_tokens": args.max_tokens, "endpoint": "chat" if chat else "completions", "machine": cpu_model(),
             "warmup_waves": args.warmup_waves, "server_totals": stats, "rows": rows}
 
 

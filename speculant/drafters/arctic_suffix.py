@@ -2,7 +2,7 @@
 behind speculant's drafter interface, to put the reference implementation beside ``suffix``.
 
 It needs ArcticInference's compiled suffix module, which PyPI ships only as source that builds
-against torch >= 2.10 with nanobind and CMake (README: "Token trees and suffix"); without it this
+against torch >= 2.10 with nanobind and CMake (docs/drafters.md: "Token trees and suffix"); without it this
 drafter says so in one line. Settings are vLLM's defaults (tree depth 24, spec factor 1.0, min
 token probability 0.1, tree speculation on). q is one-hot.
 """
@@ -16,12 +16,12 @@ from .base import DraftContext, Drafter, Proposal, tree_proposal
 _CACHE = None
 _IDS = itertools.count()
 HOW_TO = ("suffix:arctic needs ArcticInference's suffix module (import arctic_inference.suffix_decoding): "
-          "build arctic-inference 0.3.0 from source as the README describes, or use --drafter suffix")
+          "build arctic-inference 0.3.0 from source as docs/drafters.md describes, or use --drafter suffix")
 
 
 def available() -> bool:
     try:
-        import arctic_inference.suffix_decoding  # noqa: F401
+        import arctic_inference.suffix_decoding  # noqa: F401  (built from source apart: see HOW_TO)
     except ImportError:
         return False
     return True
@@ -37,7 +37,7 @@ class ArcticSuffixDrafter(Drafter):
         global _CACHE
         if not available():
             raise SpeculantError(HOW_TO)
-        from arctic_inference.suffix_decoding import SuffixDecodingCache
+        from arctic_inference.suffix_decoding import SuffixDecodingCache  # built from source apart: see HOW_TO
 
         if _CACHE is None or _CACHE.max_tree_depth != max_depth:
             _CACHE = SuffixDecodingCache(max_tree_depth=max_depth, max_cached_requests=max_cached_requests)

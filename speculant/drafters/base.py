@@ -13,11 +13,28 @@ import torch
 from ..sampling import LogitsProcessing
 
 
-def seconds_since(t0: float, device: torch.device) -> float:
-    """Wall seconds since ``t0`` (a ``time.perf_counter()``) once the device's queued work is done."""
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a GPU's kernels run after the Python that launched them)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def seconds_since(t0: float, device: torch.device) -> float:
+    """Wall seconds since ``t0`` (a ``time.perf_counter()``) once the device's queued work is done."""
+    sync(device)
     return time.perf_counter() - t0
+
+
+def left_pad(rows: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged token lists -> (tokens [B, W], valid [B, W]) right-aligned."""
+    width = max(len(r) for r in rows)
+    tokens = torch.zeros(len(rows), width, dtype=torch.long)
+    valid = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        if r:
+            tokens[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+            valid[i, width - len(r) :] = True
+    return tokens.to(device), valid.to(device)
 
 
 @dataclass

@@ -23,12 +23,15 @@ import time
 
 import torch
 
+from ..errors import SpeculantError
 from ..models.backend import kv_bytes
 from ..models.kv import KVState
 from ..sampling import TokenHistory
 from ..verify import greedy_verify, sample_verify
-from .base import DraftContext, Drafter, Proposal, seconds_since
-from .model import fit_vocab, left_pad
+from .base import DraftContext, Drafter, Proposal, left_pad, seconds_since
+from .model import ModelDrafter, check_same_tokenizer, fit_vocab, load_draft
+from .ngram import NgramDrafter
+from .spec import Build, DrafterSpec
 
 
 class CascadeDrafter(Drafter):
@@ -169,3 +172,37 @@ class CascadeDrafter(Drafter):
         if self.history is not None:
             self.history.select(rows)
         self.inner.select(rows)
+
+
+def split_cascade(spec: str) -> tuple[str, str]:
+    """``cascade:A,B`` -> (A, B): A is ngram or model:PATH, B is model:PATH or layerskip[...]."""
+    body = spec[len("cascade:") :]
+    if body.count(",") != 1:
+        raise SpeculantError(f"bad cascade spec {spec!r}: use cascade:A,B (e.g. cascade:ngram,model:PATH)")
+    a, b = body.split(",")
+    if a != "ngram" and not a.startswith("model:"):
+        raise SpeculantError(f"cascade: the first (tiny) drafter must be ngram or model:PATH, got {a!r}")
+    if not b.startswith("model:") and not (b == "layerskip" or b.startswith("layerskip:")):
+        raise SpeculantError(f"cascade: the middle drafter must be model:PATH or layerskip, got {b!r}")
+    return a, b
+
+
+def make_cascade(spec: DrafterSpec, b: Build) -> CascadeDrafter:
+    """The tiny drafter A and the middle model B of a parsed ``cascade:A,B`` (B: a draft model, or
+    layerskip's partial target)."""
+    tiny_spec, mid_spec = spec.parts
+    target = b.target
+    if mid_spec.kind == "model":
+        mid = load_draft(mid_spec.arg, target, b.device, b.dtype)
+        check_same_tokenizer(target.tokenizer, mid.tokenizer, mid_spec.arg)
+        middle, label = mid.model, f"model:{mid.name}"
+    else:
+        lay = b.part(mid_spec)
+        middle, label = lay.model, lay.describe()
+    if tiny_spec.kind == "model":
+        tiny = load_draft(tiny_spec.arg, target, b.device, b.dtype)
+        check_same_tokenizer(target.tokenizer, tiny.tokenizer, tiny_spec.arg)
+        inner = ModelDrafter(tiny.model, label=tiny.name)
+    else:
+        inner = NgramDrafter()
+    return CascadeDrafter(inner, middle, label=label)

@@ -21,8 +21,7 @@ import torch
 
 from ..models.backend import kv_bytes
 from ..models.kv import KVState
-from .base import DraftContext, Drafter, Proposal
-from .model import left_pad
+from .base import DraftContext, Drafter, Proposal, left_pad
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

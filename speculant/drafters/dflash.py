@@ -9,14 +9,18 @@ processed distribution q of its slot (greedy: its argmax), so verification stays
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
+from ..models.fast import cat_rows
 from ..sampling import TokenHistory
+from ..trained import dflash as trained
 from ..trained.dflash import DFlashNet
 from ..trained.format import load_network
 from .base import DraftContext, Drafter, Proposal
-from ..models.fast import cat_rows
 from .model import fit_vocab
+from .spec import TrainedKind
 
 
 def load_dflash(folder: str, target: torch.nn.Module, target_name: str, dtype=None) -> "DFlashDrafter":
@@ -132,3 +136,14 @@ class DFlashDrafter(Drafter):
                 probs.append(q)
         lengths = torch.full((B,), n, dtype=torch.long, device=dev)
         return Proposal(drafts, lengths, torch.stack(probs, 1) if probs else None)
+
+
+def _vllm(folder: str, cfg: dict, fixed: int | None) -> dict:
+    block = cfg["block_size"]
+    return {"method": cfg["speculators_model_type"], "model": str(Path(folder).resolve()),
+            "num_speculative_tokens": min(fixed or block - 1, block - 1)}
+
+
+DFLASH = TrainedKind(
+    name="dflash", model_type="dflash", network=DFlashNet, load=load_dflash, training_config=trained.training_config,
+    trainer=trained.trainer, vllm=_vllm, train_help="a block drafter: one forward per block")

@@ -25,13 +25,17 @@ next catch-up: rolling back is moving a length.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from ..models.cpu_kernels import pack_linears
 from ..models.fast import cat_rows
+from ..trained import eagle as trained
 from ..trained.eagle import EagleNet
 from ..trained.format import default_taps, load_network, read_config, tensor_names
 from .base import DraftContext, Drafter, Proposal
+from .spec import TrainedKind
 
 TOP_K = 8  # children offered per expanded node
 BEAM = 6  # nodes expanded per depth
@@ -227,3 +231,13 @@ class EagleDrafter(Drafter):
         tokens = self.net.target_ids(tok.gather(1, order))
         lengths = torch.full((B,), n, dtype=torch.long, device=tok.device)
         return Proposal(tokens, lengths, None, parents, score.gather(1, order).exp())
+
+
+def _vllm(folder: str, cfg: dict, fixed: int | None) -> dict:  # vLLM drafts a chain of N tokens with it
+    return {"method": "eagle3", "model": str(Path(folder).resolve()), "num_speculative_tokens": fixed or 5}
+
+
+EAGLE = TrainedKind(
+    name="eagle", model_type="eagle3", network=EagleNet, load=load_eagle, training_config=trained.training_config,
+    trainer=trained.trainer, init_from_target=trained.init_from_target, vllm=_vllm, trees=True,
+    taps_optional=True, train_help="an EAGLE-3 head drafting token trees")

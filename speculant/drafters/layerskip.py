@@ -27,9 +27,11 @@ import torch
 from ..errors import SpeculantError
 from ..models.fast import StaticKVState
 from ..models.kv import cache_keyword
+from ..models.loading import cache_dir
 from ..sampling import TokenHistory
 from .base import DraftContext, Proposal
 from .model import ModelDrafter
+from .spec import Build, DrafterKind, DrafterSpec
 
 # Decoder layers of these families take (hidden, attention_mask, position_embeddings, ...) with
 # one rotary embedding and plain causal attention, as LlamaModel.forward calls them.
@@ -119,8 +121,6 @@ class SkipLayersModel(torch.nn.Module):
 
 
 def tuned_path(target_name: str) -> Path:
-    from ..models.loading import cache_dir
-
     safe = re.sub(r"[^A-Za-z0-9._-]+", "_", target_name)
     return cache_dir() / "layerskip" / f"{safe}.json"
 
@@ -227,3 +227,12 @@ class LayerSkipDrafter(ModelDrafter):
         self.last = [self.last[r] for r in rows]
         if self.history is not None:
             self.history.select(rows)
+
+
+def _make(spec: DrafterSpec, b: Build) -> LayerSkipDrafter:
+    skip, source = parse_skip_spec(spec.text, num_layers(b.target.model), b.target.name)
+    return LayerSkipDrafter(b.target.model, skip, label=source)
+
+
+LAYERSKIP = DrafterKind("layerskip", "layerskip[:FILE.json|:A-B:STEP]", _make, exact=("layerskip",),
+                        prefix="layerskip:", check=lambda spec: validate_layerskip_spec(spec.text))

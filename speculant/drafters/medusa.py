@@ -14,10 +14,12 @@ import heapq
 
 import torch
 
+from ..trained import medusa as trained
 from ..trained.format import load_network
 from ..trained.medusa import MedusaNet
 from .base import DraftContext, Drafter, Proposal, tree_proposal
 from .model import fit_vocab
+from .spec import TrainedKind
 
 TOP_PER_HEAD = 4  # candidates per depth the tree may branch into
 
@@ -91,3 +93,11 @@ def best_first(probs: list[list[float]], ids: list[list[int]], budget: int):
             for c2 in range(len(ids[d + 1])):
                 heapq.heappush(heap, (neg * probs[d + 1][c2], d + 1, c2, node))
     return tokens, parents, scores
+
+
+MEDUSA = TrainedKind(
+    name="medusa", model_type="medusa", network=MedusaNet, load=load_medusa, training_config=trained.training_config,
+    trainer=trained.trainer, init_from_target=trained.init_from_target, trees=True,
+    train_help="heads on the last hidden state", vllm=None,
+    no_vllm="vLLM's Medusa format gives every head its own LM head and has no draft vocabulary; speculant's medusa "
+            "folders share one: export ngram, suffix, dflash:DIR or eagle:DIR instead")

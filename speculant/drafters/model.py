@@ -6,24 +6,19 @@ the first time), then drafts γ tokens one at a time, each from the same process
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
+from ..errors import SpeculantError
 from ..models.backend import Backend
+from ..models.loading import LoadedModel, load_model, resolve_model_path
 from ..sampling import TokenHistory
-from .base import DraftContext, Drafter, Proposal, seconds_since
+from .base import DraftContext, Drafter, Proposal, left_pad, seconds_since
+from .cross_tokenizer import CrossTokenizerDrafter
+from .spec import Build, DrafterKind, DrafterSpec
 
-
-def left_pad(rows: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ragged token lists -> (tokens [B, W], valid [B, W]) right-aligned."""
-    width = max(len(r) for r in rows)
-    tokens = torch.zeros(len(rows), width, dtype=torch.long)
-    valid = torch.zeros(len(rows), width, dtype=torch.bool)
-    for i, r in enumerate(rows):
-        if r:
-            tokens[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
-            valid[i, width - len(r) :] = True
-    return tokens.to(device), valid.to(device)
+__all__ = ["ModelDrafter", "MODEL", "check_same_tokenizer", "fit_vocab", "left_pad", "load_draft", "same_vocabulary"]
 
 
 def fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -119,3 +114,41 @@ class ModelDrafter(Drafter):
         self.to_feed = [self.to_feed[r] for r in rows]
         if self.history is not None:
             self.history.select(rows)
+
+
+def same_vocabulary(target_tok, draft_tok) -> bool:
+    return len(target_tok) == len(draft_tok) and target_tok.get_vocab() == draft_tok.get_vocab()
+
+
+def check_same_tokenizer(target_tok, draft_tok, draft_name: str) -> None:
+    """A draft model must share the target's vocabulary: token ids are compared one for one."""
+    if target_tok is None or draft_tok is None:  # a bare model (speculant.generate): nothing to compare
+        return
+    if not same_vocabulary(target_tok, draft_tok):
+        raise SpeculantError(
+            f"drafter '{draft_name}' has a different vocabulary ({len(draft_tok)} tokens) from the target's "
+            f"({len(target_tok)} tokens): use a draft model with the target's tokenizer"
+        )
+
+
+def load_draft(path: str, target: LoadedModel, device=None, dtype=None) -> LoadedModel:
+    """A draft model, on the target's device and in its dtype unless told otherwise (loads are memoised)."""
+    return load_model(path, device=target.device if device is None else device, dtype=dtype or target.model.dtype)
+
+
+def _make(spec: DrafterSpec, b: Build) -> Drafter:
+    draft = load_draft(spec.arg, b.target, b.device, b.dtype)
+    if b.target.tokenizer is not None and not same_vocabulary(b.target.tokenizer, draft.tokenizer):
+        return CrossTokenizerDrafter(draft.model, draft.tokenizer, b.target.tokenizer, label=draft.name)
+    return ModelDrafter(draft.model, label=draft.name)
+
+
+def _vllm(spec: DrafterSpec, fixed: int | None) -> dict:
+    if spec.arg.endswith(".gguf") or spec.arg == "default":
+        raise SpeculantError("vLLM loads draft models from Hugging Face folders: give model:FOLDER, not a GGUF")
+    return {"method": "draft_model", "model": str(Path(spec.arg).resolve()), "num_speculative_tokens": fixed or 5}
+
+
+MODEL = DrafterKind(
+    "model", "model:PATH (PATH: a model folder, a .gguf file, or 'default'; another tokenizer works through text)",
+    _make, prefix="model:", check=lambda spec: resolve_model_path(spec.arg), vllm=_vllm)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .base import DraftContext, Drafter, Proposal, tree_proposal
+from .spec import DrafterKind
 
 
 class NgramDrafter(Drafter):
@@ -115,3 +116,12 @@ class NgramDrafter(Drafter):
     def join(self, other: "NgramDrafter") -> None:
         self.texts += other.texts
         self.index += other.index
+
+
+def _vllm(spec, fixed):
+    # ngram:tree has no vLLM twin: its chain form (the latest match) is what vLLM runs
+    return {"method": "ngram", "num_speculative_tokens": fixed or 16, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+NGRAM = DrafterKind("ngram", "ngram | ngram:tree", lambda spec, b: NgramDrafter(tree=spec.arg == "tree"),
+                    exact=("ngram", "ngram:tree"), vllm=_vllm)

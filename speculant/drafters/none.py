@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import SpeculantError
 from .base import DraftContext, Drafter, Proposal
+from .spec import DrafterKind
 
 
 class NoDrafter(Drafter):
@@ -27,3 +29,10 @@ class NoDrafter(Drafter):
 
     def join(self, other: "NoDrafter") -> None:
         self.rows += other.rows
+
+
+def _vllm(spec, fixed):
+    raise SpeculantError("drafter none speculates nothing: there is no speculative config to export")
+
+
+NONE = DrafterKind("none", "none", lambda spec, b: NoDrafter(), exact=("none",), vllm=_vllm)

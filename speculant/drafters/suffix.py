@@ -19,7 +19,10 @@ import itertools
 import os
 from collections import OrderedDict
 
+from ..errors import SpeculantError
+from . import arctic_suffix
 from .base import DraftContext, Drafter, Proposal, tree_proposal
+from .spec import Build, DrafterKind, DrafterSpec
 from .suffix_trie import Draft, SuffixTrie
 
 DEFAULT_CACHE_TOKENS = 50_000
@@ -149,3 +152,27 @@ class SuffixDrafter(Drafter):
     def propose(self, gamma: int) -> Proposal:
         drafts = [self._best(row, gamma) for row in range(len(self.local))]
         return tree_proposal([(d.tokens, d.parents, d.probs) for d in drafts], self.device)
+
+
+def _check(spec: DrafterSpec) -> None:
+    if spec.arg == "arctic" and not arctic_suffix.available():
+        raise SpeculantError(arctic_suffix.HOW_TO)
+
+
+def _make(spec: DrafterSpec, b: Build) -> Drafter:
+    if spec.arg == "arctic":
+        return arctic_suffix.ArcticSuffixDrafter()
+    tok = b.target.tokenizer
+    return SuffixDrafter(corpus=(tok.name_or_path if tok is not None else b.target.name,
+                                 len(tok) if tok is not None else None))
+
+
+def _vllm(spec: DrafterSpec, fixed: int | None) -> dict:
+    d = SuffixDrafter()
+    depth = 24 if spec.arg == "arctic" else d.max_depth
+    return {"method": "suffix", "num_speculative_tokens": fixed or 32, "suffix_decoding_max_tree_depth": depth,
+            "suffix_decoding_max_spec_factor": d.spec_factor, "suffix_decoding_min_token_prob": d.min_prob}
+
+
+SUFFIX = DrafterKind("suffix", "suffix | suffix:arctic", _make, exact=("suffix", "suffix:arctic"), check=_check,
+                     vllm=_vllm)

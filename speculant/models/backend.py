@@ -7,8 +7,10 @@ import sys
 import torch
 
 from . import invariant
+from .cuda_graphs import GraphedForward
 from .fast import FastLlama, StaticKVState, supports
 from .kv import KVState
+from .loading import cache_dir
 
 PATHS = ("auto", "fast", "general")
 
@@ -17,9 +19,7 @@ def use_persistent_compile_cache() -> None:
     """Keep torch.compile's compiled kernels (inductor's FX-graph and autograd caches) under
     $SPECULANT_CACHE/inductor instead of /tmp, so compiling is paid once per machine, not per boot.
     A TORCHINDUCTOR_CACHE_DIR of the user's own (not inductor's /tmp default) wins."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    from .loading import cache_dir
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # inductor: seconds to import
 
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
@@ -67,14 +67,12 @@ class Backend:
         self.fast = FastLlama(model, compile=compile, kernels=kernels) if want_fast and ok else None
         self.step = None
         self.name = "general"
-        self.dtype_choice: str | None = None  # how dtype "auto" chose (api.load), for the stats
+        self.dtype_choice: str | None = None  # how dtype "auto" chose (speculant.load), for the stats
         self.caches: dict[tuple[int, int], tuple[list, list]] = {}
         self.in_use: set[tuple[int, int]] = set()  # shapes whose cache a live batch holds
         if self.fast is not None:
             self.name = "fast+compiled" if compile else "fast"
             if device.type == "cuda" and (graphs is None or graphs):
-                from .cuda_graphs import GraphedForward
-
                 self.step = GraphedForward(self.fast.forward)
                 self.name += "+cudagraphs"
 

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from .cpu_kernels import machine_key
+
 ENV = "SPECULANT_CPU_ATTENTION"
 # -march=native: this CPU's vectors and fused multiply-adds. Every sum of the kernel is written on
 # whole vectors (no scalar remainder a compiler could round otherwise), so each query runs the same
@@ -31,13 +33,11 @@ def kernel():
     if os.environ.get(ENV, "auto") == "torch":
         return None
     try:
-        from torch.utils import cpp_extension
+        from torch.utils import cpp_extension  # a fifth of a second to import: only to build the kernel
 
         source = SOURCE.read_text()
         # the build uses this CPU's instructions (-march=native): named per CPU, so a home folder shared
         # by machines of other CPUs never loads one built elsewhere
-        from .cpu_kernels import machine_key
-
         tag = hashlib.sha256((source + " ".join(FLAGS) + machine_key()).encode()).hexdigest()[:12]
         name = f"speculant_attention_{tag}"
         if not list(Path(cpp_extension.get_default_build_root()).glob(f"*/{name}/{name}.so")):

@@ -24,6 +24,7 @@ import platform
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import torch
 
 from ..errors import SpeculantError
@@ -177,10 +178,8 @@ def plan(dtype: torch.dtype, weight_bytes: int, kernels: str | None = None) -> K
 
 def _available_bytes() -> int:
     try:
-        import psutil
-
         return int(psutil.virtual_memory().available)
-    except Exception:  # psutil missing or unreadable /proc: assume plenty
+    except Exception:  # unreadable /proc: assume plenty
         return 1 << 62
 
 

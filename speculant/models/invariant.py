@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import cpu_attention
 from .cpu_kernels import machine_key
 from .loading import cache_dir
 
@@ -358,15 +359,11 @@ class Attention:
 
 
 def _cpu_kernel():
-    from . import cpu_attention
-
     return cpu_attention.kernel()
 
 
 def _attend_kernel(q, keys, values, layout: KeyLayout, scaling: float, rows: Rows = WIDE):
     """The compiled CPU kernel (cpu_attention): each query alone by construction."""
-    from . import cpu_attention
-
     return cpu_attention.attend(q, keys, values, layout.order, layout.count, scaling)
 
 
@@ -527,6 +524,7 @@ def hf_forward(model):
     """Within: ``model``'s forward runs every matmul within its rows window and attends with the
     invariant attention (transformers' attention and mask interfaces), so each row of a call gets
     the bits it gets alone. The model's own attention setting comes back after."""
+    # transformers: a second or more to import; a model of it is loaded by now
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 

@@ -28,7 +28,7 @@ def cache_keyword(forward) -> str:
 
 class KVState:
     def __init__(self, model: torch.nn.Module, batch_size: int):
-        from transformers import DynamicCache
+        from transformers import DynamicCache  # a second or more to import; a model of it is loaded by now
 
         self.model = model
         # every pass, the prefill too, on the width-invariant kernels: a row's bits do not depend on the

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_model
 
 from ..errors import SpeculantError
 
@@ -104,6 +105,7 @@ def _is_gguf(path: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
+# transformers takes a second or more to import: it is imported where a model is loaded, not with speculant
 def _quiet_transformers():
     import transformers
 
@@ -119,8 +121,7 @@ def _gguf_cache_folder(path: Path) -> Path:
 
 def _dequantise_gguf(path: Path, folder: Path) -> None:
     """GGUF -> safetensors folder (model + tokenizer), written atomically."""
-    from safetensors.torch import save_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # slow to import (see _quiet_transformers)
 
     print(
         f"speculant: first use of {path.name}: dequantising it to safetensors (about 30 s, once); "
@@ -202,7 +203,7 @@ def load_model(spec: str, device: str | torch.device | None = None, dtype=None,
     if key in _LOADED:
         return _LOADED[key]
     _quiet_transformers()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # slow to import (see _quiet_transformers)
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)

@@ -2,7 +2,7 @@
 line naming the field and what it takes, never pydantic's internals (union tags such as
 ``prompt.list[int]``) or a library's message.
 
-Every number is bounded here (``speculant.limits``: γ, logprobs, stop strings, logit bias, seed);
+Every number is bounded here (``speculant.limits``: γ, logprobs, stop strings, logit bias);
 what depends on the model (vocabulary, context, memory, a drafter's largest γ) is checked when the
 request is served.
 """
@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from ..limits import MAX_GAMMA, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOPS, SEED_RANGE
+from ..limits import MAX_GAMMA, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOPS
 
 MAX_CHOICES = 16  # n
 
@@ -33,7 +33,7 @@ class Sampling(BaseModel):
     stream_options: dict | None = None
     stop: Annotated[StrictStr, Field(max_length=MAX_STOP_CHARS)] | Annotated[
         list[Annotated[StrictStr, Field(max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOPS)] | None = None
-    seed: StrictInt | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    seed: StrictInt | None = None  # any integer: mixed into 63 bits
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: Annotated[dict[int, Annotated[float, Field(ge=-100, le=100)]],  # OpenAI's range
@@ -75,7 +75,7 @@ EXPECTED = {
     "gamma": f"'auto' or an integer in 1..{MAX_GAMMA}",
     "content": "a string, or a list of {'type': 'text', 'text': ...} parts",
     "logit_bias": f"an object of at most {MAX_LOGIT_BIAS} token ids -> numbers in -100..100",
-    "seed": f"an integer in {SEED_RANGE[0]}..{SEED_RANGE[1]}",
+    "seed": "an integer",
 }
 # the names pydantic gives a union's members in an error's location: str, list[int], literal['auto'], ...
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none)$|\[|^(constrained|function|json-or)-")

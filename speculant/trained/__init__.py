@@ -1,1 +1,2 @@
-"""Trained drafters: networks (DFlash), the speculators folder format, training data and the trainer."""
+"""Trained drafters' networks and their trainers (DFlash, EAGLE-3, Medusa), the speculators folder
+format and training data; the driver of ``speculant train`` is ``speculant.tools.train``."""

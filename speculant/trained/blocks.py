@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import SpeculantError
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
@@ -139,8 +141,6 @@ def rope_theta(cfg: dict) -> float:
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     kind = params.get("rope_type") or params.get("type") or "default"
     if kind != "default":
-        from ..errors import SpeculantError
-
         raise SpeculantError(f"this drafter uses rope_type {kind!r}; speculant builds default rotary "
                              "embeddings only")
     return float(params.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
@@ -164,3 +164,18 @@ def vocab_logits(hidden: torch.Tensor, lm_head: nn.Module | None, d2t: torch.Ten
     out = small.new_full((*small.shape[:-1], vocab), float("-inf"))
     ids = torch.arange(small.shape[-1], device=small.device) + d2t
     return out.index_copy_(out.dim() - 1, ids, small)
+
+
+def to_draft(d2t: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Target id -> draft index (-100: not in the draft vocabulary, ignored by the loss)."""
+    index = torch.full((vocab,), -100, dtype=torch.long)
+    ids = torch.arange(d2t.shape[0]) + d2t.cpu()
+    index[ids] = torch.arange(d2t.shape[0])
+    return index
+
+
+def copy_target_head(lm_head: nn.Linear | None, target_head: nn.Module, d2t: torch.Tensor | None) -> None:
+    """A draft LM head starts as the target's own rows of its tokens (all of them: the full vocabulary)."""
+    if lm_head is not None:
+        rows = torch.arange(lm_head.weight.shape[0]) + (d2t if d2t is not None else 0)
+        lm_head.weight.copy_(target_head.weight[rows])

@@ -8,10 +8,9 @@ Features, per sequence: the token ids, a loss mask (the text the drafter should 
 the target's hidden states at the drafter's tapped layers (fp16), and the target's own next-token
 choice at every position (the labels: the drafter learns to predict what the target will accept).
 
-Self-distillation (``self_distill=True``): the target itself answers each conversation's first
-user turn (greedy, batched through speculant's own engine), so the training text is the text the
-target produces at inference; the engine hands the tapped hidden states of every token it caches
-to a recording drafter, so generation and features come out of one pass.
+Self-distillation (``self_distill=True``, ``speculant.tools.distill``): the target itself answers
+each conversation's first user turn through speculant's own engine, and the features come out of
+that same pass.
 """
 from __future__ import annotations
 
@@ -23,8 +22,8 @@ from typing import Iterator
 
 import torch
 
-from ..drafters.base import Drafter, Proposal
 from ..errors import SpeculantError
+from ..models.backend import Backend
 
 
 @dataclass
@@ -127,64 +126,9 @@ class Features:
     final: torch.Tensor | None = None  # [T, H]: the final normed hidden states (split from ``hidden`` for training)
 
 
-class _Recorder(Drafter):
-    """A drafter that drafts nothing and keeps the hidden states the engine hands over."""
-
-    name = "recorder"
-
-    def __init__(self, taps):
-        self.hidden_layers = tuple(taps)
-
-    def start(self, ctx):
-        self.rows = [[h.to(torch.bfloat16).cpu()] for h in ctx.prompt_hidden]
-        self.device, self.slots = ctx.device, list(range(len(ctx.prompts)))
-
-    def observe_hidden(self, hidden):
-        for slot, h in zip(self.slots, hidden):
-            self.rows[slot].append(h.to(torch.bfloat16).cpu())
-
-    def update(self, new_tokens, n_accepted):
-        pass
-
-    def select(self, rows):
-        self.slots = [self.slots[r] for r in rows]
-
-    def propose(self, gamma):
-        B = len(self.slots)
-        return Proposal(torch.zeros(B, 0, dtype=torch.long, device=self.device),
-                        torch.zeros(B, dtype=torch.long, device=self.device))
-
-
-def self_distilled_features(target, prompts: list[list[int]], taps, max_new_tokens: int) -> list[Features]:
-    """The target answers each prompt greedily (one batch); features of prompt + answer."""
-    from ..engine import Engine, Request
-    from ..models.backend import Backend
-    from ..sampling import SamplingParams
-
-    recorder = _Recorder(taps)
-    engine = Engine(target.model, recorder, target.eos_token_ids, target.context_length, Backend(target.model, "auto"))
-    it = engine.run(Request(prompts, SamplingParams(), max_new_tokens, 0))
-    while True:
-        try:
-            next(it)
-        except StopIteration as done:
-            rows = done.value
-            break
-    out = []
-    for prompt, row, hs in zip(prompts, rows, recorder.rows):
-        ids = list(prompt) + row.tokens
-        hidden = torch.cat(hs)  # every token the target cached: all but the last one generated
-        n = hidden.shape[0]
-        labels = torch.tensor(ids[1 : n + 1], dtype=torch.long)  # greedy text: the target's choice is the next token
-        out.append(Features(torch.tensor(ids[:n], dtype=torch.long), len(prompt), hidden, labels))
-    return out
-
-
 @torch.no_grad()
 def text_features(target, examples: list[Example], taps) -> list[Features]:
     """Features of given text: one target pass per sequence, labels = the target's argmax there."""
-    from ..models.backend import Backend
-
     backend = Backend(target.model, "auto")
     out = []
     for ex in examples:

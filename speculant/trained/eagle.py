@@ -22,8 +22,9 @@ import random
 import torch
 from torch import nn
 
-from .blocks import Layer, RMSNorm, inv_freq, rope
-from .losses import head_kl
+from .blocks import Layer, RMSNorm, copy_target_head, inv_freq, rope
+from .format import SPECULATORS_VERSION, layer_config, speculators_config, target_fingerprint
+from .losses import GreedyRuns, head_kl
 
 
 class EagleFirstLayer(Layer):
@@ -104,8 +105,6 @@ def eagle_config(target: nn.Module, target_name: str, taps: list[int], draft_voc
     """A speculators Eagle3 config for ``target``: Llama decoder layers of its width and rope, the
     EAGLE-3.1 normalisation choices speculators trains with (norm before fc, before the residual,
     and on the state fed back), tapped layer ids, the draft vocabulary."""
-    from .format import SPECULATORS_VERSION, layer_config, speculators_config, target_fingerprint
-
     layer_cfg = layer_config(target, layers, "llama")
     return {
         "architectures": ["Eagle3Speculator"],
@@ -220,8 +219,6 @@ class EagleTrainer:
     def evaluate(self, features, rng: random.Random) -> dict:
         """Greedy chain acceptance on held-out sequences: each answer row drafts ``eval_steps``
         tokens feeding its own guesses; α per step, τ = 1 + mean accepted run."""
-        from .train import GreedyRuns
-
         runs = GreedyRuns(self.eval_steps, None)
         for f in features:
             n, first = len(f.ids) - 1, max(f.loss_from - 1, 0)
@@ -232,3 +229,23 @@ class EagleTrainer:
             at = torch.arange(first, last + 1)[:, None] + 1 + torch.arange(self.eval_steps)[None]
             runs.add_picks(picks[first : last + 1].cpu(), f.labels[at])
         return runs.result("rows")
+
+
+def training_config(target, verifier: str, s, taps: list[int], draft_size: int) -> dict:
+    """``speculant train --kind eagle``: the config of a head for ``target`` (a LoadedModel)."""
+    return eagle_config(target.model, verifier, taps, draft_size, s.ttt_steps, s.layers)
+
+
+def init_from_target(net: EagleNet, target, d2t) -> None:
+    """The LM head starts as the target's rows of the draft vocabulary, the final norm as the
+    target's (its effective scale, whatever its convention: Gemma's is 1 + w)."""
+    model = target.model
+    copy_target_head(net.lm_head, model.get_output_embeddings(), d2t)
+    final_norm = getattr(getattr(model, "model", None), "norm", None)
+    if final_norm is not None:
+        ones = torch.ones(1, net.norm.weight.shape[0], device=final_norm.weight.device, dtype=final_norm.weight.dtype)
+        net.norm.weight.copy_(final_norm(ones).squeeze(0).float())
+
+
+def trainer(net: EagleNet, target, s) -> EagleTrainer:
+    return EagleTrainer(net, target.model.get_input_embeddings(), target.model.get_output_embeddings(), s.ttt_steps)

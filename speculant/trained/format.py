@@ -4,20 +4,26 @@ which vLLM serves unchanged (``vllm serve T --speculative-config '{"model": DIR,
 speculant adds one key speculators ignores, ``speculant_target``: the target's shape and a checksum
 of its embedding matrix, so a drafter trained for another model is refused in one line instead of
 drafting garbage (a folder without it is checked on shapes only).
+
+What is kind-specific (which ``speculators_model_type`` a folder may hold, and what each kind must
+name) is the drafter registry's: ``drafters/registry.py``, ``read_trained``.
 """
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
 
 from ..errors import SpeculantError
 
-# speculators_model_type -> the kind speculant names it by (--drafter KIND:DIR, speculant train --kind KIND);
-# medusa is speculant's own format (speculators has no Medusa model)
-KINDS = {"dflash": "dflash", "eagle3": "eagle", "medusa": "medusa"}
 SPECULATORS_VERSION = "0.9.0"
 
 
@@ -44,7 +50,10 @@ def target_differences(want: dict, have: dict) -> list[str]:
     return problems
 
 
-def read_config(folder: str | Path) -> dict:
+def read_config(folder: str | Path, check: Callable[[dict], None] | None = None) -> dict:
+    """A speculators folder's ``config.json`` (an object of settings) with ``model.safetensors`` beside
+    it; ``check(config)`` judges its settings before the weights are looked for (the registry's
+    ``read_trained``: a kind speculant runs, naming its tapped layers)."""
     path = Path(folder)
     if not (path / "config.json").is_file():
         raise SpeculantError(f"'{folder}' is not a drafter folder: it has no config.json (train one with "
@@ -56,20 +65,11 @@ def read_config(folder: str | Path) -> dict:
     if not isinstance(cfg, dict):
         raise SpeculantError(f"{path / 'config.json'} holds a JSON {type(cfg).__name__}, not an object of drafter "
                              "settings: give a folder `speculant train` or speculators wrote")
-    kind = cfg.get("speculators_model_type")
-    if kind not in KINDS:
-        raise SpeculantError(f"'{folder}' holds a {kind or 'non-speculators'} model; speculant runs trained "
-                             f"drafters of type {', '.join(KINDS)}")
-    if not tapped_layers(cfg) and kind != "eagle3":  # eagle3 may leave them to the target (see default_taps)
-        raise SpeculantError(f"{path / 'config.json'} names no tapped target layers (aux_hidden_state_layer_ids)")
+    if check is not None:
+        check(cfg)
     if not (path / "model.safetensors").is_file():
         raise SpeculantError(f"'{folder}' has no model.safetensors")
     return cfg
-
-
-def drafter_kind(cfg: dict) -> str:
-    """The kind of a drafter folder's config: dflash, eagle or medusa."""
-    return KINDS[cfg["speculators_model_type"]]
 
 
 def tapped_layers(cfg: dict) -> list[int]:
@@ -109,17 +109,6 @@ def shipped_drafters() -> list[Path]:
     return sorted(p for p in root.glob("*") if (p / "config.json").is_file()) if root.is_dir() else []
 
 
-def shipped_for(target: torch.nn.Module, kind: str | None = None) -> Path | None:
-    """The shipped drafter trained for this very target (matched by its fingerprint), if any."""
-    have = target_fingerprint(target)
-    for folder in shipped_drafters():
-        cfg = json.loads((folder / "config.json").read_text())
-        want = cfg.get("speculant_target")
-        if want and not target_differences(want, have) and kind in (None, drafter_kind(cfg)):
-            return folder
-    return None
-
-
 def load_network(folder, target: torch.nn.Module, target_name: str, build, what: str, dtype=None) -> torch.nn.Module:
     """A trained drafter's network from its folder (``build(config)`` makes it), checked against
     the target it runs with, on the target's device and in its dtype (or ``dtype``)."""
@@ -139,8 +128,6 @@ def load_network(folder, target: torch.nn.Module, target_name: str, build, what:
 @contextlib.contextmanager
 def _malformed(folder, what: str):
     """A config missing or mistyping a setting, or a damaged weights file: one line naming the folder."""
-    from safetensors import SafetensorError
-
     try:
         yield
     except SpeculantError:
@@ -153,26 +140,16 @@ def _malformed(folder, what: str):
 
 def tensor_names(folder: str | Path, what: str) -> set[str]:
     """The names of the tensors in a drafter folder's weights file."""
-    from safetensors import safe_open
-
     with _malformed(folder, what), safe_open(str(Path(folder) / "model.safetensors"), "pt") as f:
         return set(f.keys())
 
 
 def load_state(folder: str | Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     return load_file(str(Path(folder) / "model.safetensors"))
 
 
 def save_folder(folder: str | Path, cfg: dict, state: dict[str, torch.Tensor]) -> None:
     """Write config.json and model.safetensors (atomically: a half-written folder never appears)."""
-    import os
-    import shutil
-    import tempfile
-
-    from safetensors.torch import save_file
-
     out = Path(folder)
     out.parent.mkdir(parents=True, exist_ok=True)
     floats = [v.dtype for v in state.values() if v.is_floating_point()]
@@ -216,27 +193,3 @@ def speculators_config(algorithm: str, tokens: int, target: torch.nn.Module, tar
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": tokens, "accept_tolerance": 0.0,
                                   "verifier_accept_k": 1}],
             "verifier": {"name_or_path": target_name, "architectures": archs}}
-
-
-def dflash_config(target: torch.nn.Module, target_name: str, layers: int, taps: list[int], block_size: int,
-                  mask_token_id: int, draft_vocab_size: int | None = None) -> dict:
-    """A speculators DFlash config for ``target``: draft layers of the target's width (Qwen3-style
-    attention, as speculators builds them), the target's rope, tapped layer ids, block size."""
-    layer_cfg = layer_config(target, layers, "qwen3")
-    vocab = layer_cfg["vocab_size"]
-    return {
-        "architectures": ["DFlashDraftModel"],
-        "speculators_model_type": "dflash",
-        "speculators_version": SPECULATORS_VERSION,
-        "transformer_layer_config": layer_cfg,
-        "aux_hidden_state_layer_ids": list(taps),
-        "block_size": block_size,
-        "mask_token_id": mask_token_id,
-        "draft_vocab_size": draft_vocab_size or vocab,
-        "target_hidden_size": target.config.hidden_size,
-        "sample_from_anchor": False,
-        "sliding_window_non_causal": False,
-        "tie_word_embeddings": False,
-        "speculators_config": speculators_config("dflash", block_size - 1, target, target_name),
-        "speculant_target": target_fingerprint(target),
-    }

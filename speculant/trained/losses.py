@@ -1,4 +1,5 @@
-"""A drafter's distillation loss through its LM head, a chunk of rows at a time.
+"""A drafter's distillation loss through its LM head, a chunk of rows at a time, and the held-out
+acceptance a trained drafter is judged by (``GreedyRuns``).
 
 ``head_kl`` is Σ_r w_r · KL(p_r ‖ softmax(x_r Wᵀ)) for the target's distributions p_r = softmax(f_r Tᵀ)
 (its final normed states f, its LM head's rows T). Done the plain way, every step of training-time
@@ -65,3 +66,34 @@ def head_kl(x: torch.Tensor, weight: torch.Tensor, final: torch.Tensor, target_r
     chunk = chunk or max(256, GPU_CHUNK_ELEMENTS // weight.shape[0])
     grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     return _HeadKL.apply(x, weight, final, target_rows.detach(), row_weights.detach(), chunk, grads)
+
+
+class GreedyRuns:
+    """Held-out acceptance of a drafter's top-1 guesses under greedy verification: per slot, how
+    often its guess is the target's token given the slots before it were right (α), and τ = 1 +
+    the mean run of right guesses."""
+
+    def __init__(self, slots: int, d2t: torch.Tensor | None):
+        self.reached, self.accepted, self.runs, self.d2t = torch.zeros(slots), torch.zeros(slots), [], d2t
+
+    def add(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        """logits [N, slots, V or draft V], the target's tokens [N, slots]."""
+        pick = logits.argmax(-1)
+        if self.d2t is not None:
+            pick = pick + self.d2t.to(pick.device)[pick]
+        self.add_picks(pick, labels)
+
+    def add_picks(self, pick: torch.Tensor, labels: torch.Tensor) -> None:
+        """The drafter's guesses as target ids [N, slots], the target's tokens [N, slots]."""
+        match = (pick.to(labels.device) == labels).long()
+        run = match.cumprod(1).sum(1)
+        self.runs += run.tolist()
+        for j in range(match.shape[1]):
+            alive = run >= j
+            self.reached[j] += alive.sum()
+            self.accepted[j] += (alive & (match[:, j] == 1)).sum()
+
+    def result(self, unit: str) -> dict:
+        alpha = (self.accepted / self.reached.clamp_min(1)).tolist()
+        return {"tau": 1 + sum(self.runs) / max(1, len(self.runs)), "alpha_by_slot": [round(a, 3) for a in alpha],
+                unit: len(self.runs)}

@@ -9,14 +9,20 @@ other's guesses, so the drafter offers a token *tree* (several candidates per de
 by the product of head probabilities) and the target keeps the longest path it agrees with.
 
 On disk: ``config.json`` (``speculators_model_type: "medusa"``, speculant's own: speculators has no
-Medusa model) + ``model.safetensors``.
+Medusa model) + ``model.safetensors``. Training: ``MedusaTrainer`` (``speculant train --kind medusa``).
 """
 from __future__ import annotations
 
+import random
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from .blocks import vocab_logits
+from .blocks import copy_target_head, to_draft, vocab_logits
+from .data import Features
+from .format import target_fingerprint
+from .losses import GreedyRuns
 
 
 class ResBlock(nn.Module):
@@ -57,8 +63,6 @@ class MedusaNet(nn.Module):
 
 
 def medusa_config(target: nn.Module, target_name: str, heads: int, layers: int, draft_vocab_size: int) -> dict:
-    from .format import target_fingerprint
-
     c = target.config
     vocab = int(target.get_output_embeddings().weight.shape[0])
     return {
@@ -77,3 +81,62 @@ def medusa_config(target: nn.Module, target_name: str, heads: int, layers: int, 
                                             "architectures": list(getattr(c, "architectures", None) or [])}},
         "speculant_target": target_fingerprint(target),
     }
+
+
+class MedusaTrainer:
+    """The loss and the held-out evaluation of Medusa heads on cached features: head j at position
+    t learns the target's token t+2+j (labels[t+1+j]), weighted 0.8^j as Medusa does."""
+
+    def __init__(self, net: MedusaNet, target_head, vocab: int):
+        self.net, self.target_head, self.vocab = net, target_head, vocab
+        K = net.num_heads
+        self.weights = 0.8 ** torch.arange(K, dtype=torch.float32)
+        self.to_draft = to_draft(net.d2t, vocab) if net.draft_vocab else None
+
+    def forward(self, f: Features):
+        """Logits [T', K, V or draft V] of the answer's positions and the target's tokens there [T', K]
+        (-100 past the sequence's end)."""
+        K, T = self.net.num_heads, len(f.ids)
+        first = max(f.loss_from - 1, 0)
+        t = torch.arange(first, T - 1)
+        dev = self.net.heads[0][0].linear.weight.device
+        states = self.net(f.final[first : T - 1].to(dev).float())
+        logits = self.net.lm_head(states) if self.net.draft_vocab else self.target_head(states)
+        at = t[:, None] + 1 + torch.arange(K)[None]
+        labels = torch.where(at < T, f.labels[at.clamp(max=T - 1)], torch.full_like(at, -100))
+        return logits.float(), labels.to(dev)
+
+    def loss(self, f: Features, rng: random.Random):
+        if len(f.ids) - max(f.loss_from - 1, 0) < 2:
+            return None, 0
+        logits, labels = self.forward(f)
+        targets = labels if self.to_draft is None else torch.where(
+            labels >= 0, self.to_draft.to(labels.device)[labels.clamp_min(0)], labels)
+        per = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none", ignore_index=-100)
+        w = self.weights.to(per.device).repeat(logits.shape[0]) * (targets.flatten() != -100)
+        return (per * w).sum() / w.sum().clamp_min(1e-6), logits.shape[0]
+
+    @torch.no_grad()
+    def evaluate(self, features: list[Features], rng: random.Random) -> dict:
+        """Per head, α = how often its top-1 guess is the target's token, given the heads before it
+        were right; τ = 1 + mean run of right guesses (the greedy chain of top-1 guesses; the tree
+        the drafter offers does better)."""
+        runs = GreedyRuns(self.net.num_heads, self.net.d2t if self.net.draft_vocab else None)
+        for f in features:
+            if len(f.ids) - max(f.loss_from - 1, 0) >= 2:
+                runs.add(*self.forward(f))
+        return runs.result("positions")
+
+
+def training_config(target, verifier: str, s, taps: list[int], draft_size: int) -> dict:
+    """``speculant train --kind medusa``: the config of heads for ``target`` (a LoadedModel); they
+    read its final normed state, not ``taps``."""
+    return medusa_config(target.model, verifier, s.heads, s.layers, draft_size)
+
+
+def init_from_target(net: MedusaNet, target, d2t) -> None:
+    copy_target_head(net.lm_head, target.model.get_output_embeddings(), d2t)
+
+
+def trainer(net: MedusaNet, target, s) -> MedusaTrainer:
+    return MedusaTrainer(net, target.model.get_output_embeddings(), target.vocab_size)

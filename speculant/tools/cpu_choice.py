@@ -5,12 +5,12 @@ Candidates, each on the fast path where the architecture has one (else the gener
 - float32: speculative output bit-identical to plain decoding, which is HF ``generate``'s token for
   token in float32;
 - bfloat16: speculative output bit-identical to plain decoding, which parts from HF ``generate``
-  in bfloat16 only at rounding near-ties (width-invariant kernels: see ``invariant``).
+  in bfloat16 only at rounding near-ties (width-invariant kernels: see ``models/invariant.py``).
 
 Which wins depends on the CPU and on the drafter. With oneDNN bf16 (AVX-512) bf16 streams half the
 bytes at full speed, one-token steps and verify blocks alike. On AVX2-only CPUs bf16 one-token steps
 are fast (PyTorch's bf16 GEMV) but verify blocks run on float32 copies of the weights (see
-cpu_kernels) and the prefill, HF's own bf16 matmuls, runs a row at a time, so plain decoding of a
+models/cpu_kernels.py) and the prefill, HF's own bf16 matmuls, runs a row at a time, so plain decoding of a
 short prompt favours bf16 while speculative decoding and long prompts favour float32 (measured
 on a 2-core AMD EPYC: float32 with the default drafter 14.9 tokens/s, bfloat16 12.7, plain bf16 12.2).
 So the measurement times what will run: a real request of ~200 prompt tokens (the target's chat
@@ -30,9 +30,11 @@ from pathlib import Path
 
 import torch
 
-from . import cpu_kernels
-from .cpu_kernels import machine_key
-from .loading import _LOADED, cache_dir, load_model, resolve_model_path
+from ..api import Generator
+from ..drafters import default_drafter, make_drafter
+from ..models.cpu_kernels import machine_key
+from ..models.fast import supports
+from ..models.loading import _LOADED, cache_dir, load_model, resolve_model_folder, resolve_model_path
 
 CANDIDATES = ("float32", "bfloat16")
 # a request of the usual shape: some context (its prefill counts: on AVX2 a bf16 prefill costs ~6x a
@@ -109,9 +111,6 @@ def measure(spec: str, drafter: str | None = "none", rounds: int = 2, log=lambda
     """Time a greedy request (``PROMPT``) with each candidate dtype and the drafter, interleaved, and keep
     the fastest (ms per new token, prefill included). ``log`` hears of the measuring only once both
     are loaded: a bad drafter spec has failed by then, with its own one-line error and nothing else."""
-    from ..api import Generator
-    from ..drafters import default_drafter, make_drafter
-
     runs, path = {}, best_path(spec)
     for dtype in CANDIDATES:
         lm = load_model(spec, device="cpu", dtype=dtype)
@@ -149,14 +148,10 @@ def pick(ms_per_token: dict) -> str:
 
 def best_path(spec: str) -> str:
     """The fast path where the architecture has one (faster on every CPU measured), else the general one."""
-    from .fast import supports
-
     return "fast" if supports(load_model(spec, device="cpu", dtype="float32").model)[0] else "general"
 
 
 def _folder_of(spec: str) -> Path:
-    from .loading import resolve_model_folder
-
     return resolve_model_folder(spec)[0].resolve()
 
 

@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import json
 import time
+from importlib import resources
 from pathlib import Path
 
+from ..api import Generator
+from ..drafters import NoDrafter
+from ..drafters.layerskip import LayerSkipDrafter, num_layers, tuned_path
 from ..errors import SpeculantError
+from ..models.loading import load_model
 
 CALIBRATION_CATEGORIES = ("question_answering", "code", "summarization", "math_reasoning", "translation")
 
@@ -35,8 +40,6 @@ def candidate_skip_sets(n: int) -> dict[str, list[int]]:
 
 
 def calibration_prompts(count: int) -> list[str]:
-    from importlib import resources
-
     lines = resources.files("speculant.bench").joinpath("prompts/default.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines if line.strip()]
     picked = []
@@ -65,11 +68,6 @@ def measure(gen, prompt_ids: list[list[int]], max_new_tokens: int, gamma: int) -
 
 def tune(target_spec: str, prompts: int = 3, max_new_tokens: int = 48, gamma: int = 4, device=None, dtype=None,
          log=print) -> dict:
-    from ..api import Generator
-    from ..drafters import NoDrafter
-    from ..models.loading import load_model
-    from .layerskip import LayerSkipDrafter, num_layers
-
     target = load_model(target_spec, device=device, dtype=dtype)
     n = num_layers(target.model)
     if n < 3:
@@ -124,8 +122,6 @@ def tune(target_spec: str, prompts: int = 3, max_new_tokens: int = 48, gamma: in
 
 
 def cmd_tune_layerskip(args) -> int:
-    from .layerskip import tuned_path
-
     if args.gamma < 1:
         raise SpeculantError(f"--gamma must be >= 1, got {args.gamma}")
     if args.prompts < 1:

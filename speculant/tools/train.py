@@ -2,10 +2,11 @@
 
 Stages, each cached in ``OUT.work/`` (delete it to start over; ``--resume`` picks up any stage):
 1. features: conversations -> (self-distilled) text -> the target's tapped hidden states and its
-   next-token choices (data.py), in shards;
+   next-token choices (trained/data.py; self-distilled: tools/distill.py), in shards;
 2. a draft vocabulary: the N tokens the target produces most often in that text (EAGLE-3, FR-Spec):
    the drafter's LM head covers only those, q is zero elsewhere (still lossless);
-3. training: random anchors in each answer, each a block [token, MASK, ...] the drafter fills in
+3. training (each kind's network and trainer: trained/KIND.py, through the registry's TrainedKind),
+   e.g. DFlash: random anchors in each answer, each a block [token, MASK, ...] the drafter fills in
    one forward; cross-entropy against the target's choices, slot j weighted exp(-(j-1)/4) (DFlash's
    decay), AdamW with warm-up and cosine decay, checkpoints every ``--checkpoint-every`` steps;
 4. evaluation on held-out sequences: per anchor, how many slots in a row match the target (the
@@ -25,17 +26,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
+from ..drafters.registry import TRAINED
 from ..errors import SpeculantError, check_writable
-from .data import (Example, Features, encode_conversation, encode_prompt, jsonl_records, self_distilled_features,
-                   sharegpt_conversations, text_features)
-from .dflash import DFlashNet
-from .format import default_taps, dflash_config, save_folder
-from .eagle import EagleNet, EagleTrainer, eagle_config
-from .medusa import MedusaNet, medusa_config
-
-KINDS = ("dflash", "eagle", "medusa")
+from ..models.loading import forget_loaded, load_model, resolve_device, resolve_model_folder
+from ..trained.data import (Example, Features, encode_conversation, encode_prompt, jsonl_records,
+                            sharegpt_conversations, text_features)
+from ..trained.format import default_taps, save_folder
+from .distill import self_distilled_features
 
 
 @dataclass
@@ -74,8 +72,8 @@ class TrainSettings:
 
 def check_settings(s: TrainSettings) -> None:
     """Bad input, before any model work: one line each."""
-    if s.kind not in KINDS:
-        raise SpeculantError(f"unknown drafter kind {s.kind!r}: use one of {', '.join(KINDS)}")
+    if s.kind not in TRAINED:
+        raise SpeculantError(f"unknown drafter kind {s.kind!r}: use one of {', '.join(sorted(TRAINED))}")
     if not s.out:
         raise SpeculantError("--out DIR is required: the folder the trained drafter is written to")
     out = Path(s.out)
@@ -104,27 +102,12 @@ def check_settings(s: TrainSettings) -> None:
         raise SpeculantError(f"--lr must be > 0, got {s.lr}")
 
 
-def pick_mask_token(tokenizer, vocab: int) -> int:
-    """A token the text never uses, as the block's MASK: an 'unused' token if the vocabulary has one,
-    else the last added special token that is not BOS/EOS/PAD/UNK or a chat-template marker."""
-    if tokenizer is None:
-        return vocab - 1
-    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    unused = sorted(i for i, t in added.items() if "unused" in str(t))
-    if unused:
-        return unused[0]
-    template = str(getattr(tokenizer, "chat_template", "") or "")
-    taken = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
-    free = [i for i, t in added.items() if i not in taken and str(t) not in template and i < vocab]
-    return max(free) if free else vocab - 1
-
-
 class Progress:
     """A rich progress bar on a terminal, plain lines otherwise."""
 
     def __init__(self, enabled: bool):
         self.bar = None
-        if enabled and sys.stderr.isatty():
+        if enabled and sys.stderr.isatty():  # rich's progress bar: only on a terminal (it takes a while to import)
             from rich.progress import BarColumn, Progress as Bar, TextColumn, TimeRemainingColumn
 
             self.bar = Bar(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -282,149 +265,6 @@ def draft_vocabulary(features: list[Features], size: int, vocab: int) -> tuple[t
     return chosen - torch.arange(size), t2d
 
 
-class GreedyRuns:
-    """Held-out acceptance of a drafter's top-1 guesses under greedy verification: per slot, how
-    often its guess is the target's token given the slots before it were right (α), and τ = 1 +
-    the mean run of right guesses."""
-
-    def __init__(self, slots: int, d2t: torch.Tensor | None):
-        self.reached, self.accepted, self.runs, self.d2t = torch.zeros(slots), torch.zeros(slots), [], d2t
-
-    def add(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
-        """logits [N, slots, V or draft V], the target's tokens [N, slots]."""
-        pick = logits.argmax(-1)
-        if self.d2t is not None:
-            pick = pick + self.d2t.to(pick.device)[pick]
-        self.add_picks(pick, labels)
-
-    def add_picks(self, pick: torch.Tensor, labels: torch.Tensor) -> None:
-        """The drafter's guesses as target ids [N, slots], the target's tokens [N, slots]."""
-        match = (pick.to(labels.device) == labels).long()
-        run = match.cumprod(1).sum(1)
-        self.runs += run.tolist()
-        for j in range(match.shape[1]):
-            alive = run >= j
-            self.reached[j] += alive.sum()
-            self.accepted[j] += (alive & (match[:, j] == 1)).sum()
-
-    def result(self, unit: str) -> dict:
-        alpha = (self.accepted / self.reached.clamp_min(1)).tolist()
-        return {"tau": 1 + sum(self.runs) / max(1, len(self.runs)), "alpha_by_slot": [round(a, 3) for a in alpha],
-                unit: len(self.runs)}
-
-
-class DFlashTrainer:
-    """The loss and the held-out evaluation of a DFlash network on cached features."""
-
-    def __init__(self, net: DFlashNet, embed, target_head, vocab: int, anchors: int, decay: float = 4.0):
-        self.net, self.embed, self.target_head, self.vocab = net, embed, target_head, vocab
-        self.anchors, self.decay = anchors, decay
-        K = net.block_size
-        self.weights = torch.exp(-torch.arange(K - 1, dtype=torch.float32) / decay)
-        self.to_draft = _to_draft(net.d2t, vocab) if net.draft_vocab else None
-
-    def _blocks(self, f: Features, anchors: int, rng: random.Random):
-        K, T = self.net.block_size, len(f.ids)
-        first = max(f.loss_from - 1, 0)
-        candidates = list(range(first, T - K + 1))
-        if not candidates:
-            return None
-        chosen = sorted(rng.sample(candidates, min(anchors, len(candidates))))
-        return torch.tensor(chosen)
-
-    def forward(self, f: Features, anchors: torch.Tensor):
-        """Logits [A, K-1, V or draft V] of every anchor's block, and the target's choices [A, K-1]."""
-        net, K = self.net, self.net.block_size
-        dev = net.fc.weight.device
-        T, A = len(f.ids), len(anchors)
-        ctx = net.context(f.hidden[None].to(dev))
-        kv = net.context_kv(ctx, torch.arange(T, device=dev)[None])
-        kv = [(k.expand(A, -1, -1, -1), v.expand(A, -1, -1, -1)) for k, v in kv]
-        steps = torch.arange(K)
-        positions = (anchors[:, None] + steps[None]).to(dev)
-        block = torch.full((A, K), net.mask_token_id, dtype=torch.long)
-        block[:, 0] = f.ids[anchors]
-        sees = torch.cat([torch.arange(T)[None] < anchors[:, None], torch.ones(A, K, dtype=torch.bool)], 1)
-        hidden = net.block(self.embed(block.to(dev)).detach(), positions, kv, sees[:, None, None].to(dev))
-        h = hidden[:, 1:].contiguous()  # a strided slice would make a frozen head a bmm over A copies of it
-        logits = net.lm_head(h) if net.draft_vocab else self.target_head(h)
-        labels = f.labels[(anchors[:, None] + steps[None, 1:] - 1)]  # slot j: the target's choice after a+j-1
-        return logits.float(), labels.to(dev)
-
-    def loss(self, f: Features, rng: random.Random):
-        anchors = self._blocks(f, self.anchors, rng)
-        if anchors is None:
-            return None, 0
-        logits, labels = self.forward(f, anchors)
-        targets = labels if self.to_draft is None else self.to_draft.to(labels.device)[labels]
-        per = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none", ignore_index=-100)
-        w = self.weights.to(per.device).repeat(len(anchors)) * (targets.flatten() != -100)
-        return (per * w).sum() / w.sum().clamp_min(1e-6), len(anchors) * (self.net.block_size - 1)
-
-    @torch.no_grad()
-    def evaluate(self, features: list[Features], rng: random.Random) -> dict:
-        """α per slot and τ = 1 + mean accepted run (greedy verification of each block)."""
-        runs = GreedyRuns(self.net.block_size - 1, self.net.d2t if self.net.draft_vocab else None)
-        for f in features:
-            anchors = self._blocks(f, 64, rng)
-            if anchors is not None:
-                runs.add(*self.forward(f, anchors))
-        return runs.result("blocks")
-
-
-class MedusaTrainer:
-    """The loss and the held-out evaluation of Medusa heads on cached features: head j at position
-    t learns the target's token t+2+j (labels[t+1+j]), weighted 0.8^j as Medusa does."""
-
-    def __init__(self, net: MedusaNet, target_head, vocab: int):
-        self.net, self.target_head, self.vocab = net, target_head, vocab
-        K = net.num_heads
-        self.weights = 0.8 ** torch.arange(K, dtype=torch.float32)
-        self.to_draft = _to_draft(net.d2t, vocab) if net.draft_vocab else None
-
-    def forward(self, f: Features):
-        """Logits [T', K, V or draft V] of the answer's positions and the target's tokens there [T', K]
-        (-100 past the sequence's end)."""
-        K, T = self.net.num_heads, len(f.ids)
-        first = max(f.loss_from - 1, 0)
-        t = torch.arange(first, T - 1)
-        dev = self.net.heads[0][0].linear.weight.device
-        states = self.net(f.final[first : T - 1].to(dev).float())
-        logits = self.net.lm_head(states) if self.net.draft_vocab else self.target_head(states)
-        at = t[:, None] + 1 + torch.arange(K)[None]
-        labels = torch.where(at < T, f.labels[at.clamp(max=T - 1)], torch.full_like(at, -100))
-        return logits.float(), labels.to(dev)
-
-    def loss(self, f: Features, rng: random.Random):
-        if len(f.ids) - max(f.loss_from - 1, 0) < 2:
-            return None, 0
-        logits, labels = self.forward(f)
-        targets = labels if self.to_draft is None else torch.where(
-            labels >= 0, self.to_draft.to(labels.device)[labels.clamp_min(0)], labels)
-        per = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none", ignore_index=-100)
-        w = self.weights.to(per.device).repeat(logits.shape[0]) * (targets.flatten() != -100)
-        return (per * w).sum() / w.sum().clamp_min(1e-6), logits.shape[0]
-
-    @torch.no_grad()
-    def evaluate(self, features: list[Features], rng: random.Random) -> dict:
-        """Per head, α = how often its top-1 guess is the target's token, given the heads before it
-        were right; τ = 1 + mean run of right guesses (the greedy chain of top-1 guesses; the tree
-        the drafter offers does better)."""
-        runs = GreedyRuns(self.net.num_heads, self.net.d2t if self.net.draft_vocab else None)
-        for f in features:
-            if len(f.ids) - max(f.loss_from - 1, 0) >= 2:
-                runs.add(*self.forward(f))
-        return runs.result("positions")
-
-
-def _to_draft(d2t: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Target id -> draft index (-100: not in the draft vocabulary, ignored by the loss)."""
-    to_draft = torch.full((vocab,), -100, dtype=torch.long)
-    ids = torch.arange(d2t.shape[0]) + d2t.cpu()
-    to_draft[ids] = torch.arange(d2t.shape[0])
-    return to_draft
-
-
 NEEDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
          "rms_norm_eps")  # what the drafters' layers copy from the target's config
 
@@ -446,8 +286,6 @@ def feature_dtype(dtype: str, device: str | None) -> str:
     native bf16 matmuls (AVX512-BF16 / AMX: several times faster there), else float32."""
     if dtype != "auto":
         return dtype
-    from ..models.loading import resolve_device
-
     if resolve_device(device).type == "cuda":
         return "bfloat16"
     native = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
@@ -457,16 +295,12 @@ def feature_dtype(dtype: str, device: str | None) -> str:
 def mixed_precision(device: str | None, dtype: str = "auto"):
     """bfloat16 autocast where the target's features are bfloat16 (``feature_dtype``: a GPU, or a CPU
     with native bf16 matmuls): the drafter's weights and optimiser stay float32."""
-    from ..models.loading import resolve_device
-
     enabled = feature_dtype(dtype, device) == "bfloat16"
     return torch.autocast(resolve_device(device).type, torch.bfloat16, enabled=enabled)
 
 
 def run_train(s: TrainSettings, progress_bar: bool = True, log=print) -> dict:
     check_settings(s)
-    from ..models.loading import forget_loaded, load_model
-
     t0 = time.time()
     torch.manual_seed(s.seed)
     rng = random.Random(s.seed)
@@ -567,44 +401,21 @@ def run_train(s: TrainSettings, progress_bar: bool = True, log=print) -> dict:
 
 
 def _network(s: TrainSettings, target, taps: list[int], draft_size: int, d2t, t2d):
-    """(config, network, trainer) of the kind to train. The draft-vocabulary LM head starts as the
-    target's own rows for those tokens (Medusa, EAGLE), EAGLE's final norm as the target's."""
-    model = target.model
-    vocab = int(model.get_output_embeddings().weight.shape[0])
-    head, name = model.get_output_embeddings(), str(_verifier_path(s.target))
-    if s.kind == "dflash":
-        cfg = dflash_config(model, name, s.layers, taps, s.block_size, pick_mask_token(target.tokenizer, vocab),
-                            draft_size)
-        net = DFlashNet(cfg)
-    elif s.kind == "eagle":
-        cfg = eagle_config(model, name, taps, draft_size, s.ttt_steps, s.layers)
-        net = EagleNet(cfg)
-    else:
-        cfg = medusa_config(model, name, s.heads, s.layers, draft_size)
-        net = MedusaNet(cfg)
-    net = net.to(target.device)
+    """(config, network, trainer) of the kind to train (its hooks: the registry's TrainedKind). A
+    draft-vocabulary LM head starts as the target's own rows for those tokens (Medusa, EAGLE),
+    EAGLE's final norm as the target's."""
+    kind = TRAINED[s.kind]
+    cfg = kind.training_config(target, str(_verifier_path(s.target)), s, taps, draft_size)
+    net = kind.network(cfg).to(target.device)
     with torch.no_grad():
         if d2t is not None:
             net.d2t.copy_(d2t)
             net.t2d.copy_(t2d)
-        if s.kind in ("eagle", "medusa") and net.lm_head is not None:
-            rows = torch.arange(net.lm_head.weight.shape[0]) + (d2t if d2t is not None else 0)
-            net.lm_head.weight.copy_(head.weight[rows])
-        final_norm = getattr(getattr(model, "model", None), "norm", None)
-        if s.kind == "eagle" and final_norm is not None:  # its effective scale, whatever its convention (Gemma: 1 + w)
-            ones = torch.ones(1, net.norm.weight.shape[0], device=final_norm.weight.device, dtype=final_norm.weight.dtype)
-            net.norm.weight.copy_(final_norm(ones).squeeze(0).float())
-    if s.kind == "dflash":
-        trainer = DFlashTrainer(net, model.get_input_embeddings(), head, vocab, s.anchors)
-    elif s.kind == "eagle":
-        trainer = EagleTrainer(net, model.get_input_embeddings(), head, s.ttt_steps)
-    else:
-        trainer = MedusaTrainer(net, head, vocab)
-    return cfg, net, trainer
+        if kind.init_from_target is not None:
+            kind.init_from_target(net, target, d2t)
+    return cfg, net, kind.trainer(net, target, s)
 
 
 def _verifier_path(spec: str) -> Path:
     """The target as a Hugging Face folder (a GGUF's dequantised cache), for the config's verifier."""
-    from ..models.loading import resolve_model_folder
-
     return resolve_model_folder(spec)[0]

@@ -1,0 +1,2 @@
+"""The package version (a module of its own: anything may read it without importing the package's API)."""
+__version__ = "0.1.0"
