@@ -14,7 +14,7 @@ from typing import Iterator
 import torch
 
 from .controller import CostModel, FixedGamma, GammaController
-from .drafters.base import DraftContext, Drafter, Proposal
+from .drafters.base import DraftContext, Drafter, Proposal, sync
 from .drafters.model import left_pad
 from .errors import SpeculantError
 from .models.backend import Backend
@@ -170,11 +170,6 @@ class Emitted(list):
         self.from_draft = from_draft
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class Engine:
     def __init__(self, target: torch.nn.Module, drafter: Drafter, eos_token_ids: set[int], context_length: int,
                  backend: Backend | None = None):
@@ -208,10 +203,10 @@ class Engine:
         self._catch_up(b)
         t0 = time.perf_counter()
         prop, caps = self._draft(b, self._room(b) - 1)
-        _sync(self.device)
+        sync(self.device)
         t1 = time.perf_counter()
         self._verify(b, prop)
-        _sync(self.device)
+        sync(self.device)
         self._account(b, prop, caps, t1 - t0, time.perf_counter() - t1)
 
     def start(self, req: Request) -> "Batch":
@@ -259,7 +254,7 @@ class Engine:
         prompt_hidden = [hidden[b_, valid[b_]] for b_ in range(n)] if taps else None
         # hidden states of the tokens the last pass cached: none yet (the prompt's go to the drafter's start)
         self._hand_over(b, nxt, n_acc, nxt[:, None], logp, [h[:0] for h in prompt_hidden] if taps else None)
-        _sync(dev)
+        sync(dev)
         for r in rows:
             r.stats.target_seconds = r.stats.first_token_seconds = time.perf_counter() - t0
             r.stats.count_pass(0, 0)
