@@ -78,6 +78,7 @@ HOSTILE = [  # (endpoint, body: a dict sent as JSON or raw bytes, status, what t
     (H, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]), 400, "content"),
     (H, chat(response_format={"type": "json_schema", "json_schema": {"schema": "nope"}}), 400, "response_format"),
     (H, chat(response_format={"type": "xml"}), 400, "response_format"), (H, chat(response_format="json"), 400, "response_format"),
+    (C, completion(response_format=True), 400, "response_format"),  # found by the fuzz test: a 500 before
     # text that is not text
     (C, completion(prompt="\ud800"), 400, "prompt"), (H, chat(messages=[{"role": "user", "content": "w1 \udfff"}]), 400, "content"),
     (C, completion(stop="\ud800"), 400, "stop"), (C, completion(prompt="w1 " * 5000), 400, "max_tokens"),

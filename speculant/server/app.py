@@ -127,7 +127,7 @@ class Guard:
         key = self.server.api_key
         if key and scope["path"].startswith("/v1/") and not authorized(request.headers.get("authorization"), key):
             why = "missing API key" if not request.headers.get("authorization") else "wrong API key"
-            response = self._error(request, 401, f"{why}: send 'Authorization: Bearer <key>' with the server's --api-key")
+            response = error_response(request, 401, f"{why}: send 'Authorization: Bearer <key>' with the server's --api-key")
             return await response(scope, receive, send)
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:  # refused before a byte of it is read
@@ -145,12 +145,8 @@ class Guard:
             receive = _replay(b"".join(body), receive)
         await self.inner(scope, receive, send)
 
-    def _error(self, request: Request, status: int, message: str) -> JSONResponse:
-        self.server.metrics.requests.labels(request.url.path, str(status)).inc()
-        return JSONResponse(error_body(status, message), status_code=status)
-
     def _too_large(self, request: Request) -> JSONResponse:
-        return self._error(request, 413, f"the request body is larger than this server takes "
+        return error_response(request, 413, f"the request body is larger than this server takes "
                                          f"({self.server.max_body_bytes:,} bytes, --max-body-mib): send a shorter prompt")
 
 
@@ -231,7 +227,7 @@ async def serve(request: Request, body: Sampling, prompts: list[list[int]], chat
     max_tokens = prepare.token_budget(gen, prompts, max_tokens)
     settings = prepare.sampling_settings(gen, body, logprobs)
     stop = prepare.check_request(gen, body, prompts, max_tokens, settings)
-    fmt = getattr(body, "response_format", None)
+    fmt = body.response_format
     if fmt and fmt.get("type") not in (None, "text"):
         settings["logits_processors"] = [await asyncio.to_thread(prepare.format_processor, gen, fmt)]
     choices = len(prompts) * body.n

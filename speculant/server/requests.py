@@ -45,6 +45,7 @@ class Sampling(BaseModel):
     top_k: StrictInt = Field(0, ge=0)
     min_p: float = Field(0.0, ge=0, lt=1)
     repetition_penalty: float = Field(1.0, gt=0, le=100)
+    response_format: dict | None = None  # both endpoints: json_object or json_schema
 
 
 class CompletionRequest(Sampling):
@@ -65,7 +66,6 @@ class ChatRequest(Sampling):
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: dict | None = None
 
 
 # what a field takes, for the fields whose type is a union (pydantic reports one error per member)
