@@ -14,7 +14,7 @@ from .drafters.model import MODEL
 from .drafters.registry import kind_of
 from .engine import Batch, Engine, Request, Row
 from .errors import SpeculantError
-from .limits import MAX_GAMMA, MAX_LOGPROBS, MEMORY_SHARE, check_int, check_stop, check_text, gib, memory_needed
+from .limits import MAX_GAMMA, MAX_LOGPROBS, MEMORY_SHARE, check_int, check_stop, check_text, gib
 from .models.backend import Backend
 from .models.loading import LoadedModel
 from .sampling import SamplingParams
@@ -195,8 +195,9 @@ class Generator:
         """About how many bytes a request's caches (target and drafter) and a pass's logits take."""
         width = 1 + (gamma if isinstance(gamma, int) else self.engine.most_auto_drafts)
         tokens = min(prompt_tokens + max_new_tokens, self.target.context_length) + 2 * width
-        return memory_needed(lambda b, t: self.backend.state_bytes(b, t) + self.drafter.state_bytes(b, t),
-                             rows, tokens, width, self.target.vocab_size)
+        caches = self.backend.state_bytes(rows, tokens) + self.drafter.state_bytes(rows, tokens)
+        # a pass's logits: float32, about four copies (logits, processed, probabilities, a draft's q)
+        return caches + 4 * rows * width * self.target.vocab_size * 4
 
     def check_memory(self, rows: int, prompt_tokens: int, max_new_tokens: int, gamma: int | str) -> None:
         need = self.memory_needed(rows, prompt_tokens, max_new_tokens, gamma)
@@ -211,7 +212,7 @@ class Generator:
                    speculate: bool = True, **sampling):
         """Yields (row, new token ids) as accepted; the generator's return value is the list of Rows.
         ``speculate=False``: plain decoding through the same engine and kernels."""
-        req = self._request(prompt_ids, max_new_tokens, gamma, seed, check_stops(stop), sampling, speculate=speculate)
+        req = self._request(prompt_ids, max_new_tokens, gamma, seed, stop, sampling, speculate=speculate)
         return self.engine.run(req)
 
     def start_batch(self, prompt_ids: list[list[int]], max_new_tokens: list[int], stops: list, gamma=None,

@@ -4,7 +4,7 @@ they parse a request, each refused with a one-line error naming the setting and 
 They keep one request from taking a machine down: a γ of a million drafts ~8,000 tokens a pass
 (gigabytes of logits), a million logprobs lists the whole vocabulary per token, a long stop string
 costs its length squared per streamed token. The memory a request's caches need is checked
-against a budget before it starts (``memory_needed``; ``Generator.memory_budget``).
+against a budget before it starts (``Generator.memory_needed``, ``Generator.memory_budget``).
 """
 from __future__ import annotations
 
@@ -55,13 +55,6 @@ def check_text(text: str, name: str) -> str:
 
 def _kind(x) -> str:
     return "None" if x is None else type(x).__name__
-
-
-def memory_needed(state_bytes, rows: int, tokens: int, width: int, vocab: int) -> int:
-    """Bytes a request of ``rows`` rows of up to ``tokens`` tokens needs beyond the weights: its
-    caches (``state_bytes(rows, tokens)``: target and drafter) and a pass's logits (``width``
-    positions a row, float32, about four copies: logits, processed, probabilities, a draft's q)."""
-    return state_bytes(rows, tokens) + 4 * rows * width * vocab * 4
 
 
 def gib(n: float) -> str:
