@@ -15,7 +15,9 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+# the test suite's tiny random Llamas and noisy draft copies (tests/helpers.py): fixtures of the
+# suite this script repeats on a GPU, not part of speculant's API
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers import perturbed, tiny_llama  # noqa: E402
 
 import speculant  # noqa: E402

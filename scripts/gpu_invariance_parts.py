@@ -6,16 +6,13 @@ on SmolLM2-135M's shapes with random weights.
 """
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_invariance import smol  # noqa: E402
-
-from speculant.models import invariant  # noqa: E402
-from speculant.models.fast import FastLlama, _rms_norm  # noqa: E402
+from gpu_invariance import smol  # its sibling script (run as a script, this folder is on sys.path)
+from speculant.models import invariant
+from speculant.models.fast import FastLlama, _rms_norm
 
 
 def rows_equal(fn, x, widths=(1, 2, 3, 5, 8, 13, 16, 17, 32, 33, 64)):

@@ -1,7 +1,11 @@
 """GPU smoke: the fast path with CUDA graphs gives HF generate's greedy tokens (tiny fp32 models)."""
 import sys
+from pathlib import Path
 
-sys.path.insert(0, "tests")
+# the test suite's own fixtures (tiny random Llamas, a noisy copy as draft model, HF's greedy text as
+# the reference): this is the suite's greedy identity check run on a GPU, and these are test
+# helpers, not part of speculant's API, so they stay in tests/helpers.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers import hf_greedy, mismatch_report, perturbed, tiny_llama  # noqa: E402
 
 import speculant  # noqa: E402

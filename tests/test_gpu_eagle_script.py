@@ -1,8 +1,9 @@
-"""scripts/gpu_eagle.py (how the shipped EAGLE head was trained further on a GPU) on a CPU and a
-tiny target: the batched, left-padded self-distillation writes the target's own greedy answers,
-the text files round-trip, and train + join give a folder that loads as a drafter and keeps the
-target's greedy output."""
+"""scripts/gpu_eagle.py (how the shipped EAGLE head was trained further on a GPU: a command over
+speculant.tools.texts and speculant.tools.train_batched) on a CPU and a tiny target: the batched,
+left-padded self-distillation writes the target's own greedy answers, the text files round-trip,
+and train + join give a folder that loads as a drafter and keeps the target's greedy output."""
 import json
+import runpy
 import sys
 from pathlib import Path
 
@@ -12,16 +13,16 @@ from transformers import AutoModelForCausalLM
 
 import speculant
 from speculant.drafters.eagle import load_eagle
+from speculant.tools.texts import load_texts, save_texts
 from helpers import hf_greedy, save_tiny_folder
 from test_eagle import _random_eagle_folder
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import gpu_eagle  # noqa: E402
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_eagle.py"
 
 
 def _run(monkeypatch, *args):
     monkeypatch.setattr(sys, "argv", ["gpu_eagle.py", *map(str, args)])
-    gpu_eagle.main()
+    runpy.run_path(str(SCRIPT), run_name="__main__")
 
 
 @pytest.fixture(scope="module")
@@ -34,10 +35,10 @@ def test_texts_round_trip_whole_and_packed_in_parts(tmp_path):
     g = torch.Generator().manual_seed(0)
     texts = [(torch.randint(0, 49152, (n,), generator=g).to(torch.int32).to(torch.uint16), n // 3)
              for n in (5, 40, 17, 60, 9)]
-    gpu_eagle.save_texts(texts, tmp_path / "t.pt", tmp_path / "parts", part_tokens=64)
+    save_texts(texts, tmp_path / "t.pt", tmp_path / "parts", part_tokens=64)
     parts = sorted((tmp_path / "parts").glob("t-*.pt"))
     assert len(parts) == 3  # 5+40+17 | 60 | 9 (each part under 64 tokens, unless one text is longer)
-    for got in (gpu_eagle.load_texts(tmp_path / "t.pt"), [x for p in parts for x in gpu_eagle.load_texts(p)]):
+    for got in (load_texts(tmp_path / "t.pt"), [x for p in parts for x in load_texts(p)]):
         assert [(x.long().tolist(), lf) for x, lf in got] == [(x.long().tolist(), lf) for x, lf in texts]
 
 
@@ -48,7 +49,7 @@ def test_distill_writes_the_targets_greedy_answers(tmp_path, monkeypatch, tiny):
     torch.save({"A": prompts[:3], "B": prompts[3:]}, tmp_path / "p.pt")
     _run(monkeypatch, "distill", "--target", folder, "--device", "cpu", "--dtype", "float32", "--prompts",
          tmp_path / "p.pt", "--groups", "A,B", "--batch", 2, "--answer-tokens", 10, "--out", tmp_path / "d.pt")
-    texts = gpu_eagle.load_texts(tmp_path / "d.pt")
+    texts = load_texts(tmp_path / "d.pt")
     assert len(texts) == 5
     by_prompt = {tuple(x[:lf].long().tolist()): x[lf:].long().tolist() for x, lf in texts}
     for p in prompts:
@@ -66,7 +67,7 @@ def test_train_and_join_give_a_drafter_that_keeps_greedy_output(tmp_path, monkey
         prompt = torch.randint(2, 96, (4 + i % 3,), generator=g).tolist()
         texts.append((torch.tensor(prompt + hf_greedy(model, prompt, 20), dtype=torch.int32).to(torch.uint16),
                       len(prompt)))
-    gpu_eagle.save_texts(texts, tmp_path / "texts.pt")
+    save_texts(texts, tmp_path / "texts.pt")
     out = tmp_path / "trained"
     _run(monkeypatch, "train", "--target", folder, "--device", "cpu", "--dtype", "float32", "--data",
          tmp_path / "texts.pt", "--config", config, "--init", config, "--out", out, "--steps", 6, "--batch", 4,

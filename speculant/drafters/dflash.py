@@ -146,4 +146,5 @@ def _vllm(folder: str, cfg: dict, fixed: int | None) -> dict:
 
 DFLASH = TrainedKind(
     name="dflash", model_type="dflash", network=DFlashNet, load=load_dflash, training_config=trained.training_config,
-    trainer=trained.trainer, vllm=_vllm, train_help="a block drafter: one forward per block")
+    settings_of=trained.settings_of, trainer=trained.trainer, vllm=_vllm,
+    train_help="a block drafter: one forward per block")

@@ -239,5 +239,5 @@ def _vllm(folder: str, cfg: dict, fixed: int | None) -> dict:  # vLLM drafts a c
 
 EAGLE = TrainedKind(
     name="eagle", model_type="eagle3", network=EagleNet, load=load_eagle, training_config=trained.training_config,
-    trainer=trained.trainer, init_from_target=trained.init_from_target, vllm=_vllm, trees=True,
-    taps_optional=True, train_help="an EAGLE-3 head drafting token trees")
+    settings_of=trained.settings_of, trainer=trained.trainer, init_from_target=trained.init_from_target, vllm=_vllm,
+    trees=True, taps_optional=True, train_help="an EAGLE-3 head drafting token trees")

@@ -97,7 +97,7 @@ def best_first(probs: list[list[float]], ids: list[list[int]], budget: int):
 
 MEDUSA = TrainedKind(
     name="medusa", model_type="medusa", network=MedusaNet, load=load_medusa, training_config=trained.training_config,
-    trainer=trained.trainer, init_from_target=trained.init_from_target, trees=True,
+    settings_of=trained.settings_of, trainer=trained.trainer, init_from_target=trained.init_from_target, trees=True,
     train_help="heads on the last hidden state", vllm=None,
     no_vllm="vLLM's Medusa format gives every head its own LM head and has no draft vocabulary; speculant's medusa "
             "folders share one: export ngram, suffix, dflash:DIR or eagle:DIR instead")

@@ -46,9 +46,12 @@ class TrainedKind:
     load: Callable[[str, torch.nn.Module, str], Drafter]  # (folder, target module, target name) -> drafter
     # (target, verifier name, settings, tapped layers, draft vocabulary size) -> the folder's config
     training_config: Callable[..., dict]
-    trainer: Callable[..., object]  # (network, target, settings) -> its loss and held-out evaluation
+    # (network, target, settings) -> its trainer: loss (one cached sequence), loss_batch (padded sequences), evaluate
+    trainer: Callable[..., object]
     train_help: str  # what it is, for ``speculant train --kind``
     vllm: Callable[[str, dict, int | None], dict] | None  # (folder, config, fixed γ) -> vLLM's SpeculativeConfig
+    # a folder's config -> the training settings that shape it (to train it further in batches)
+    settings_of: Callable[[dict], dict]
     # (network, target, draft ids' offsets d2t or None): weights that start as the target's
     init_from_target: Callable[..., None] | None = None
     trees: bool = False  # drafts token trees (prompt lookup merges into them: X+ngram)

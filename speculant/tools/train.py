@@ -13,6 +13,13 @@ Stages, each cached in ``OUT.work/`` (delete it to start over; ``--resume`` pick
    accepted run under greedy verification), so α per slot and τ = 1 + mean run;
 5. the folder: config.json + model.safetensors (bf16), loadable as ``--drafter KIND:OUT`` (or ``trained:OUT``) and by
    speculators / vLLM, plus ``speculant_training.json`` (command, data, time, metrics).
+
+This is the feature-cache mode, one sequence at a time (right for a CPU); the batched mode
+(tools/train_batched.py: the target's states computed on the fly for right-padded batches, on a
+GPU) continues a folder of any kind. Both drive every kind's trainer through one interface:
+``loss(features, rng)`` on one cached sequence, ``loss_batch(ids, aux, final, loss_from, lengths,
+labels, rng)`` on right-padded sequences (``loss`` is ``loss_batch`` on a batch of one), each
+returning (loss or None, units learnt), and ``evaluate(held-out features, rng)``.
 """
 from __future__ import annotations
 
@@ -299,6 +306,22 @@ def mixed_precision(device: str | None, dtype: str = "auto"):
     return torch.autocast(resolve_device(device).type, torch.bfloat16, enabled=enabled)
 
 
+def adamw(params, lr: float) -> torch.optim.Optimizer:
+    """The drafters' optimiser (both modes of training)."""
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
+
+
+def set_lr(opt: torch.optim.Optimizer, lr: float, step: int, warmup: int, total: int) -> None:
+    """Linear warm-up over ``warmup`` steps, then cosine decay to 0 at step ``total``."""
+    for group in opt.param_groups:
+        group["lr"] = lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / total))
+
+
+def bf16_state(net: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The network's weights as a folder keeps them: floating point in bfloat16."""
+    return {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in net.state_dict().items()}
+
+
 def run_train(s: TrainSettings, progress_bar: bool = True, log=print) -> dict:
     check_settings(s)
     t0 = time.time()
@@ -333,7 +356,7 @@ def run_train(s: TrainSettings, progress_bar: bool = True, log=print) -> dict:
         draft_size = s.draft_vocab if d2t is not None else vocab
         cfg, net, trainer = _network(s, target, taps, draft_size, d2t, t2d)
         params = [p for p in net.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=0.0, betas=(0.9, 0.95))
+        opt = adamw(params, s.lr)
         total = s.steps or max(1, math.ceil(s.epochs * len(train) / s.batch))
         step, ckpt = 0, work / f"checkpoint-{s.kind}.pt"
         amp = mixed_precision(s.device, s.dtype)  # one autocast context, entered for each forward
@@ -357,9 +380,7 @@ def run_train(s: TrainSettings, progress_bar: bool = True, log=print) -> dict:
             for start in range(0, len(order), s.batch):
                 if step >= total:
                     break
-                lr = s.lr * min(1.0, (step + 1) / s.warmup) * 0.5 * (1 + math.cos(math.pi * step / total))
-                for group in opt.param_groups:
-                    group["lr"] = lr
+                set_lr(opt, s.lr, step, s.warmup, total)
                 opt.zero_grad()
                 losses = []
                 for i in order[start : start + s.batch]:
@@ -386,8 +407,7 @@ def run_train(s: TrainSettings, progress_bar: bool = True, log=print) -> dict:
             metrics = trainer.evaluate(held, random.Random(1))
     finally:
         progress.close()
-    state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in net.state_dict().items()}
-    save_folder(out, cfg, state)
+    save_folder(out, cfg, bf16_state(net))
     summary = {"kind": s.kind, "target": s.target, "data": s.data, "settings": asdict(s), "steps": step,
                "train_sequences": len(train), "held_out_sequences": len(held),
                "feature_tokens": sum(len(f.ids) for f in features), "seconds": round(time.time() - t0, 1),

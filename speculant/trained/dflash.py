@@ -26,7 +26,7 @@ from torch import nn
 from .blocks import Layer, RMSNorm, inv_freq, rope, to_draft, vocab_logits
 from .data import Features
 from .format import SPECULATORS_VERSION, layer_config, speculators_config, target_fingerprint
-from .losses import GreedyRuns
+from .losses import GreedyRuns, as_batch, mean_of_sequences
 
 
 class DFlashNet(nn.Module):
@@ -119,7 +119,10 @@ def pick_mask_token(tokenizer, vocab: int) -> int:
 
 
 class DFlashTrainer:
-    """The loss and the held-out evaluation of a DFlash network on cached features."""
+    """The loss and the held-out evaluation of a DFlash network: ``loss`` on one sequence's cached
+    features, ``loss_batch`` on right-padded sequences (the target's states computed on the fly:
+    tools/train_batched.py), both one forward for every block: random anchors in each answer, each
+    block [token, MASK, ...] attending to its sequence's context before the anchor and to itself."""
 
     def __init__(self, net: DFlashNet, embed, target_head, vocab: int, anchors: int, decay: float = 4.0):
         self.net, self.embed, self.target_head, self.vocab = net, embed, target_head, vocab
@@ -128,53 +131,72 @@ class DFlashTrainer:
         self.weights = torch.exp(-torch.arange(K - 1, dtype=torch.float32) / decay)
         self.to_draft = to_draft(net.d2t, vocab) if net.draft_vocab else None
 
-    def _blocks(self, f: Features, anchors: int, rng: random.Random):
-        K, T = self.net.block_size, len(f.ids)
-        first = max(f.loss_from - 1, 0)
-        candidates = list(range(first, T - K + 1))
-        if not candidates:
-            return None
-        chosen = sorted(rng.sample(candidates, min(anchors, len(candidates))))
-        return torch.tensor(chosen)
+    def _anchors(self, lengths: torch.Tensor, loss_from: torch.Tensor, count: int, rng: random.Random):
+        """Up to ``count`` random anchors in each sequence's answer, sorted, as [B, A] (rows padded
+        with anchor 0) and which of them are real [B, A]; (None, None) if no sequence has one."""
+        K, chosen = self.net.block_size, []
+        for T, lf in zip(lengths.tolist(), loss_from.tolist()):
+            candidates = list(range(max(lf - 1, 0), T - K + 1))
+            chosen.append(sorted(rng.sample(candidates, min(count, len(candidates)))) if candidates else [])
+        A = max(map(len, chosen))
+        if not A:
+            return None, None
+        return (torch.tensor([c + [0] * (A - len(c)) for c in chosen]),
+                torch.tensor([[True] * len(c) + [False] * (A - len(c)) for c in chosen]))
 
-    def forward(self, f: Features, anchors: torch.Tensor):
-        """Logits [A, K-1, V or draft V] of every anchor's block, and the target's choices [A, K-1]."""
+    def forward(self, ids, aux, labels, anchors, real):
+        """Logits [N, K-1, V or draft V] of the real anchors' blocks, the target's choices [N, K-1]
+        and each block's sequence [N]. ids [B, T], aux [B, T, taps, Ht], labels [B, T] (right-padded),
+        anchors and real [B, A]: one forward, each sequence's A blocks side by side."""
         net, K = self.net, self.net.block_size
         dev = net.fc.weight.device
-        T, A = len(f.ids), len(anchors)
-        ctx = net.context(f.hidden[None].to(dev))
-        kv = net.context_kv(ctx, torch.arange(T, device=dev)[None])
-        kv = [(k.expand(A, -1, -1, -1), v.expand(A, -1, -1, -1)) for k, v in kv]
-        steps = torch.arange(K)
-        positions = (anchors[:, None] + steps[None]).to(dev)
-        block = torch.full((A, K), net.mask_token_id, dtype=torch.long)
-        block[:, 0] = f.ids[anchors]
-        sees = torch.cat([torch.arange(T)[None] < anchors[:, None], torch.ones(A, K, dtype=torch.bool)], 1)
-        hidden = net.block(self.embed(block.to(dev)).detach(), positions, kv, sees[:, None, None].to(dev))
-        h = hidden[:, 1:].contiguous()  # a strided slice would make a frozen head a bmm over A copies of it
+        ids, labels, anchors, real = ids.to(dev), labels.to(dev), anchors.to(dev), real.to(dev)
+        (B, T), A = ids.shape, anchors.shape[1]
+        kv = net.context_kv(net.context(aux.to(dev)), torch.arange(T, device=dev)[None])
+        at = anchors[..., None] + torch.arange(K, device=dev)  # [B, A, K] positions
+        block = torch.full((B, A, K), net.mask_token_id, dtype=torch.long, device=dev)
+        block[..., 0] = ids.gather(1, anchors)
+        sees = (torch.arange(T, device=dev) < anchors[..., None])[:, :, None].expand(B, A, K, T).reshape(B, A * K, T)
+        own = torch.eye(A, dtype=torch.bool, device=dev).repeat_interleave(K, 0).repeat_interleave(K, 1)
+        mask = torch.cat([sees, own.expand(B, -1, -1)], -1)[:, None]  # a block sees its context and itself
+        hidden = net.block(self.embed(block.flatten(1)).detach(), at.flatten(1), kv, mask)
+        h = hidden.view(B, A, K, -1)[:, :, 1:][real]  # [N, K-1, H], contiguous: a frozen head stays one matmul
         logits = net.lm_head(h) if net.draft_vocab else self.target_head(h)
-        labels = f.labels[(anchors[:, None] + steps[None, 1:] - 1)]  # slot j: the target's choice after a+j-1
-        return logits.float(), labels.to(dev)
+        want = labels.gather(1, (at[..., 1:] - 1).flatten(1)).view(B, A, K - 1)[real]  # slot j: after a+j-1
+        return logits.float(), want, real.nonzero()[:, 0]
 
     def loss(self, f: Features, rng: random.Random):
-        anchors = self._blocks(f, self.anchors, rng)
+        return self.loss_batch(*as_batch(f, self.net.fc.weight.device), rng=rng)
+
+    def loss_batch(self, ids, aux, final, loss_from, lengths, labels=None, rng=None):
+        """The mean over B right-padded sequences of each one's loss: cross-entropy of every slot of
+        ``self.anchors`` random blocks against the target's choices ``labels``, slot j weighted
+        exp(-(j-1)/decay). ``final`` is not read. Returns (loss or None if no sequence has a block,
+        slots judged)."""
+        anchors, real = self._anchors(lengths, loss_from, self.anchors, rng)
         if anchors is None:
             return None, 0
-        logits, labels = self.forward(f, anchors)
+        logits, labels, seq = self.forward(ids, aux, labels, anchors, real)
         targets = labels if self.to_draft is None else self.to_draft.to(labels.device)[labels]
         per = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none", ignore_index=-100)
-        w = self.weights.to(per.device).repeat(len(anchors)) * (targets.flatten() != -100)
-        return (per * w).sum() / w.sum().clamp_min(1e-6), len(anchors) * (self.net.block_size - 1)
+        w = self.weights.to(per.device) * (targets != -100)
+        return mean_of_sequences(per.view(targets.shape) * w, w, seq), targets.numel()
 
     @torch.no_grad()
     def evaluate(self, features: list[Features], rng: random.Random) -> dict:
         """α per slot and τ = 1 + mean accepted run (greedy verification of each block)."""
         runs = GreedyRuns(self.net.block_size - 1, self.net.d2t if self.net.draft_vocab else None)
         for f in features:
-            anchors = self._blocks(f, 64, rng)
+            ids, aux, _, loss_from, lengths, labels = as_batch(f, self.net.fc.weight.device)
+            anchors, real = self._anchors(lengths, loss_from, 64, rng)
             if anchors is not None:
-                runs.add(*self.forward(f, anchors))
+                runs.add(*self.forward(ids, aux, labels, anchors, real)[:2])
         return runs.result("blocks")
+
+
+def settings_of(cfg: dict) -> dict:
+    """The training settings a network's config was made with (to train it further: tools/train_batched.py)."""
+    return {"layers": cfg["transformer_layer_config"]["num_hidden_layers"], "block_size": int(cfg["block_size"])}
 
 
 def training_config(target, verifier: str, s, taps: list[int], draft_size: int) -> dict:

@@ -24,7 +24,7 @@ from torch import nn
 
 from .blocks import Layer, RMSNorm, copy_target_head, inv_freq, rope
 from .format import SPECULATORS_VERSION, layer_config, speculators_config, target_fingerprint
-from .losses import GreedyRuns, head_kl
+from .losses import GreedyRuns, as_batch, head_kl
 
 
 class EagleFirstLayer(Layer):
@@ -128,7 +128,7 @@ def eagle_config(target: nn.Module, target_name: str, taps: list[int], draft_voc
 class EagleTrainer:
     """Training-time test (speculators' Eagle3 recipe): ``loss`` on one sequence's cached features,
     ``loss_batch`` on a batch of right-padded sequences at once (a GPU computes the target's states
-    for them on the fly: scripts/gpu_eagle.py).
+    for them on the fly: tools/train_batched.py).
 
     Row i of a sequence is the pair (target features at position i, token i+1), at position i+1.
     Step 0 reads the target's features; step k reads step k-1's output state and token i+1+k (the
@@ -185,15 +185,14 @@ class EagleTrainer:
         return out
 
     def loss(self, f, rng: random.Random):
-        dev = self.net.fc.weight.device
-        return self.loss_batch(f.ids[None].to(dev), f.hidden[None].to(dev), f.final[None].to(dev),
-                               torch.tensor([f.loss_from], device=dev), torch.tensor([len(f.ids)], device=dev))
+        return self.loss_batch(*as_batch(f, self.net.fc.weight.device), rng=rng)
 
-    def loss_batch(self, ids, aux, final, loss_from, lengths):
+    def loss_batch(self, ids, aux, final, loss_from, lengths, labels=None, rng=None):
         """The mean over B right-padded sequences (``lengths`` real tokens each, learnt from
         ``loss_from``) of each one's loss: per step k the mean KL over its answer rows, weighted
-        ``decay``^k. ``final`` [B, T, Ht]: the target's final normed states (its distributions).
-        Returns (loss or None if no row has a token to learn, answer rows)."""
+        ``decay``^k. ``final`` [B, T, Ht]: the target's final normed states (its distributions, which
+        EAGLE learns whole: ``labels``, its choices, are not read). Returns (loss or None if no row
+        has a token to learn, answer rows)."""
         n = ids.shape[1] - 1
         first = (loss_from - 1).clamp_min(0)
         last = lengths - 1  # rows < last - k have a token for step k
@@ -229,6 +228,12 @@ class EagleTrainer:
             at = torch.arange(first, last + 1)[:, None] + 1 + torch.arange(self.eval_steps)[None]
             runs.add_picks(picks[first : last + 1].cpu(), f.labels[at])
         return runs.result("rows")
+
+
+def settings_of(cfg: dict) -> dict:
+    """The training settings a head's config was made with (to train it further: tools/train_batched.py)."""
+    return {"ttt_steps": cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"],
+            "layers": cfg["transformer_layer_config"]["num_hidden_layers"]}
 
 
 def training_config(target, verifier: str, s, taps: list[int], draft_size: int) -> dict:

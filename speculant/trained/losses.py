@@ -1,5 +1,6 @@
-"""A drafter's distillation loss through its LM head, a chunk of rows at a time, and the held-out
-acceptance a trained drafter is judged by (``GreedyRuns``).
+"""A drafter's distillation loss through its LM head, a chunk of rows at a time, the held-out
+acceptance a trained drafter is judged by (``GreedyRuns``), and what every trainer's batched loss
+shares (``as_batch``, ``mean_of_sequences``).
 
 ``head_kl`` is Σ_r w_r · KL(p_r ‖ softmax(x_r Wᵀ)) for the target's distributions p_r = softmax(f_r Tᵀ)
 (its final normed states f, its LM head's rows T). Done the plain way, every step of training-time
@@ -97,3 +98,24 @@ class GreedyRuns:
         alpha = (self.accepted / self.reached.clamp_min(1)).tolist()
         return {"tau": 1 + sum(self.runs) / max(1, len(self.runs)), "alpha_by_slot": [round(a, 3) for a in alpha],
                 unit: len(self.runs)}
+
+
+def mean_of_sequences(values: torch.Tensor, weights: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
+    """The mean over sequences of each one's weighted mean: ``values`` and ``weights`` [N, ...] (a
+    row's weighted losses and weights), ``seq`` [N] the sequence of each row. So a batch's loss is the
+    mean of its sequences' own losses, however many rows each has."""
+    B = int(seq.max()) + 1
+    num = values.new_zeros(B).index_add_(0, seq, values.flatten(1).sum(1))
+    den = weights.new_zeros(B, dtype=values.dtype).index_add_(0, seq, weights.flatten(1).sum(1).to(values.dtype))
+    present = torch.zeros(B, dtype=torch.bool, device=seq.device)
+    present[seq] = True
+    return (num / den.clamp_min(1e-6))[present].mean()
+
+
+def as_batch(f, device) -> tuple:
+    """One sequence's features (trained/data.py's Features) as a batch of one: the arguments of every
+    trainer's ``loss_batch`` (ids [1, T], tapped states [1, T, taps, H], final normed states [1, T, H]
+    or None, answer start [1], length [1], the target's choices [1, T])."""
+    final = f.final[None].to(device) if f.final is not None else None
+    return (f.ids[None].to(device), f.hidden[None].to(device), final, torch.tensor([f.loss_from], device=device),
+            torch.tensor([len(f.ids)], device=device), f.labels[None].to(device))

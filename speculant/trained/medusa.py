@@ -22,7 +22,7 @@ from torch import nn
 from .blocks import copy_target_head, to_draft, vocab_logits
 from .data import Features
 from .format import target_fingerprint
-from .losses import GreedyRuns
+from .losses import GreedyRuns, as_batch, mean_of_sequences
 
 
 class ResBlock(nn.Module):
@@ -84,8 +84,10 @@ def medusa_config(target: nn.Module, target_name: str, heads: int, layers: int, 
 
 
 class MedusaTrainer:
-    """The loss and the held-out evaluation of Medusa heads on cached features: head j at position
-    t learns the target's token t+2+j (labels[t+1+j]), weighted 0.8^j as Medusa does."""
+    """The loss and the held-out evaluation of Medusa heads: head j at position t learns the
+    target's token t+2+j (labels[t+1+j]), weighted 0.8^j as Medusa does; ``loss`` on one sequence's
+    cached features, ``loss_batch`` on right-padded sequences (tools/train_batched.py). The heads
+    read only the target's final normed states."""
 
     def __init__(self, net: MedusaNet, target_head, vocab: int):
         self.net, self.target_head, self.vocab = net, target_head, vocab
@@ -93,28 +95,36 @@ class MedusaTrainer:
         self.weights = 0.8 ** torch.arange(K, dtype=torch.float32)
         self.to_draft = to_draft(net.d2t, vocab) if net.draft_vocab else None
 
-    def forward(self, f: Features):
-        """Logits [T', K, V or draft V] of the answer's positions and the target's tokens there [T', K]
-        (-100 past the sequence's end)."""
-        K, T = self.net.num_heads, len(f.ids)
-        first = max(f.loss_from - 1, 0)
-        t = torch.arange(first, T - 1)
-        dev = self.net.heads[0][0].linear.weight.device
-        states = self.net(f.final[first : T - 1].to(dev).float())
+    def forward(self, final, labels, loss_from, lengths):
+        """Logits [N, K, V or draft V] at every answer position t of each right-padded sequence
+        (final [B, T, H], labels [B, T]; t from its answer start - 1 to its length - 2), the target's
+        tokens there [N, K] (-100 past the sequence's end) and each position's sequence [N]."""
+        K, dev = self.net.num_heads, self.net.heads[0][0].linear.weight.device
+        final, labels, loss_from, lengths = final.to(dev), labels.to(dev), loss_from.to(dev), lengths.to(dev)
+        T = final.shape[1]
+        t = torch.arange(T, device=dev)[None]
+        b, t = ((t >= (loss_from - 1).clamp_min(0)[:, None]) & (t < (lengths - 1)[:, None])).nonzero(as_tuple=True)
+        states = self.net(final[b, t].float())
         logits = self.net.lm_head(states) if self.net.draft_vocab else self.target_head(states)
-        at = t[:, None] + 1 + torch.arange(K)[None]
-        labels = torch.where(at < T, f.labels[at.clamp(max=T - 1)], torch.full_like(at, -100))
-        return logits.float(), labels.to(dev)
+        at = t[:, None] + 1 + torch.arange(K, device=dev)[None]
+        labels = torch.where(at < lengths[b, None], labels[b[:, None], at.clamp(max=T - 1)], torch.full_like(at, -100))
+        return logits.float(), labels, b
 
     def loss(self, f: Features, rng: random.Random):
-        if len(f.ids) - max(f.loss_from - 1, 0) < 2:
+        return self.loss_batch(*as_batch(f, self.net.heads[0][0].linear.weight.device), rng=rng)
+
+    def loss_batch(self, ids, aux, final, loss_from, lengths, labels=None, rng=None):
+        """The mean over B right-padded sequences of each one's loss (the weighted cross-entropy of
+        every head at every answer position against the target's choices ``labels``); ``aux`` is not
+        read. Returns (loss or None if no sequence has a position to learn, positions judged)."""
+        logits, labels, seq = self.forward(final, labels, loss_from, lengths)
+        if not len(seq):
             return None, 0
-        logits, labels = self.forward(f)
         targets = labels if self.to_draft is None else torch.where(
             labels >= 0, self.to_draft.to(labels.device)[labels.clamp_min(0)], labels)
         per = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none", ignore_index=-100)
-        w = self.weights.to(per.device).repeat(logits.shape[0]) * (targets.flatten() != -100)
-        return (per * w).sum() / w.sum().clamp_min(1e-6), logits.shape[0]
+        w = self.weights.to(per.device) * (targets != -100)
+        return mean_of_sequences(per.view(targets.shape) * w, w, seq), logits.shape[0]
 
     @torch.no_grad()
     def evaluate(self, features: list[Features], rng: random.Random) -> dict:
@@ -123,9 +133,16 @@ class MedusaTrainer:
         the drafter offers does better)."""
         runs = GreedyRuns(self.net.num_heads, self.net.d2t if self.net.draft_vocab else None)
         for f in features:
-            if len(f.ids) - max(f.loss_from - 1, 0) >= 2:
-                runs.add(*self.forward(f))
+            _, _, final, loss_from, lengths, labels = as_batch(f, self.net.heads[0][0].linear.weight.device)
+            logits, labels, seq = self.forward(final, labels, loss_from, lengths)
+            if len(seq):
+                runs.add(logits, labels)
         return runs.result("positions")
+
+
+def settings_of(cfg: dict) -> dict:
+    """The training settings the heads' config was made with (to train them further: tools/train_batched.py)."""
+    return {"heads": int(cfg["num_heads"]), "layers": int(cfg.get("num_hidden_layers", 1))}
 
 
 def training_config(target, verifier: str, s, taps: list[int], draft_size: int) -> dict:

@@ -4,12 +4,10 @@ import json, sys, time, random
 from pathlib import Path
 from collections import defaultdict
 import torch
-sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "scripts"))  # gpu_eagle._tapped
-from gpu_eagle import _tapped
 from safetensors.torch import load_file
 from speculant.models.loading import load_model
 from speculant.trained.eagle import EagleNet, EagleTrainer
-from speculant.trained.data import Features
+from speculant.tools.train_batched import tapped_features
 torch.set_grad_enabled(False)
 N_PER = int(sys.argv[1]) if len(sys.argv) > 1 else 4
 TOK = 128
@@ -51,10 +49,8 @@ for c in bycat:
     cover = [0, 0]
     for cc, ids, lf in seqs:
         if cc != c: continue
-        s = [(ids, lf)]
-        i_, aux, final, lf_t, n, rws = _tapped(model, taps, 30, s, [0], 4096, "cpu")
-        k = int(n[0])
-        f = Features(i_[0, :k], lf, aux[0, :k], rws[0][1:], final[0, :k])
+        f = tapped_features(model, taps, [(ids, lf)], 4096, "cpu")[0]
+        k = len(f.ids)
         feats.append(f)
         ans = ids[lf:]
         cover[0] += int(t2d[ans].sum()); cover[1] += len(ans)

@@ -4,12 +4,10 @@ import json, sys, random
 from pathlib import Path
 from collections import defaultdict
 import torch
-sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "scripts"))  # gpu_eagle._tapped
-from gpu_eagle import _tapped
 from safetensors.torch import load_file
 from speculant.models.loading import load_model
 from speculant.trained.eagle import EagleNet, EagleTrainer
-from speculant.trained.data import Features
+from speculant.tools.train_batched import tapped_features
 torch.set_grad_enabled(False)
 head_dir = str(Path(__file__).resolve().parents[4] / "speculant/data/drafters/eagle-smollm2-135m")
 seqs = torch.load("bench_answers_4_128.pt")  # written by head_on_bench_answers.py
@@ -21,12 +19,11 @@ rows_t = net.target_ids(torch.arange(8192))
 W = model.get_output_embeddings().weight
 acc = defaultdict(float); n = 0
 for c, ids, lf in seqs:
-    i_, aux, final, _, nn_, rws = _tapped(model, cfg["eagle_aux_hidden_state_layer_ids"], 30, [(ids, lf)], [0], 4096, "cpu")
-    k = int(nn_[0]); f = Features(i_[0, :k], lf, aux[0, :k], rws[0][1:], final[0, :k])
+    f = tapped_features(model, cfg["eagle_aux_hidden_state_layer_ids"], [(ids, lf)], 4096, "cpu")[0]; k = len(f.ids)
     ql = tr._run(f, 1, True)[0]  # [k-1, 8192] head logits, row i predicts token i+2
     for T in (1.0, 0.7):
         q = torch.zeros(ql.shape[0], W.shape[0]); q[:, rows_t] = (ql / T).softmax(-1)
-        p = (final[0, 1:k] @ W.T / T).softmax(-1)  # target at position i+1 predicts token i+2
+        p = (f.final[1:k] @ W.T / T).softmax(-1)  # target at position i+1 predicts token i+2
         sl = slice(max(lf - 1, 0), k - 1)
         qq, pp = q[sl], p[sl]
         acc[(T, "sampled: sum min(p,q)")] += float(torch.minimum(pp, qq).sum(-1).sum())
