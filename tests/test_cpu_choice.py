@@ -18,7 +18,7 @@ def folder(tmp_path, monkeypatch):
 def test_measured_once_then_cached(folder, monkeypatch, capsys):
     choice = cpu_choice.choose(folder)
     assert choice.dtype in cpu_choice.CANDIDATES and not choice.cached
-    assert set(choice.ms_per_token) == set(cpu_choice.CANDIDATES) and min(choice.ms_per_token.values()) > 0
+    assert set(choice.ms_per_token) == {"float32", "bfloat16"} and min(choice.ms_per_token.values()) > 0  # a folder: no GGUF
     assert choice.dtype == cpu_choice.pick(choice.ms_per_token)
     assert choice.path == "fast"  # a Llama: the fast path
     assert "measuring which dtype" in capsys.readouterr().err
@@ -41,6 +41,10 @@ def test_bfloat16_is_chosen_only_by_a_clear_margin():
     assert cpu_choice.pick({"float32": 1037.1, "bfloat16": 1030.5}) == "float32"
     assert cpu_choice.pick({"float32": 100.0, "bfloat16": 89.0}) == "bfloat16"
     assert cpu_choice.pick({"float32": 64.4, "bfloat16": 117.5}) == "float32"
+    # quantized weights: the fastest of the rivals, by the same margin
+    assert cpu_choice.pick({"float32": 100.0, "bfloat16": 89.0, "quantized": 60.0}) == "quantized"
+    assert cpu_choice.pick({"float32": 100.0, "bfloat16": 70.0, "quantized": 80.0}) == "bfloat16"
+    assert cpu_choice.pick({"float32": 100.0, "bfloat16": 95.0, "quantized": 93.0}) == "float32"
 
 
 def test_load_with_auto_dtype_reports_the_choice_and_stays_exact(folder):

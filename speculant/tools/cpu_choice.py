@@ -5,7 +5,10 @@ Candidates, each on the fast path where the architecture has one (else the gener
 - float32: speculative output bit-identical to plain decoding, which is HF ``generate``'s token for
   token in float32;
 - bfloat16: speculative output bit-identical to plain decoding, which parts from HF ``generate``
-  in bfloat16 only at rounding near-ties (width-invariant kernels: see ``models/invariant.py``).
+  in bfloat16 only at rounding near-ties (width-invariant kernels: see ``models/invariant.py``);
+- quantized (a .gguf target): float32 activations over the file's own quantized weights, speculative
+  output bit-identical to plain decoding, which parts from HF ``generate`` on the dequantised model
+  only at near-ties (``models/quantized.py``).
 
 Which wins depends on the CPU and on the drafter. With oneDNN bf16 (AVX-512) bf16 streams half the
 bytes at full speed, one-token steps and verify blocks alike. On AVX2-only CPUs bf16 one-token steps
@@ -28,15 +31,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from ..api import Generator
 from ..drafters import default_drafter, make_drafter
+from ..errors import SpeculantError
 from ..models.cpu_kernels import machine_key
 from ..models.fast import supports
 from ..models.loading import _LOADED, cache_dir, load_model, resolve_model_folder, resolve_model_path
 
-CANDIDATES = ("float32", "bfloat16")
+CANDIDATES = ("float32", "bfloat16", "quantized")  # quantized: for a .gguf target only (see candidates)
 # a request of the usual shape: some context (its prefill counts: on AVX2 a bf16 prefill costs ~6x a
 # float32 one, 12 against 2 ms a token for the default model) and a question about it
 PROMPT = (
@@ -112,38 +114,58 @@ def measure(spec: str, drafter: str | None = "none", rounds: int = 2, log=lambda
     the fastest (ms per new token, prefill included). ``log`` hears of the measuring only once both
     are loaded: a bad drafter spec has failed by then, with its own one-line error and nothing else."""
     runs, path = {}, best_path(spec)
-    for dtype in CANDIDATES:
+    names = candidates(spec, path)
+    for dtype in names:
         lm = load_model(spec, device="cpu", dtype=dtype)
         gen = Generator(lm, make_drafter(default_drafter(lm) if drafter is None else drafter, lm), None, path)
         prompt = gen.encode(PROMPT)[-max(8, lm.context_length - NEW_TOKENS - 1):]  # fits a short context
         runs[dtype] = lambda g=gen, p=prompt: _request(g, p)
     log(f"speculant: measuring which dtype generates fastest on this CPU with drafter {_drafter_key(drafter)} "
         f"(once for this machine, model and drafter; cached in {_cache_file()}: delete it to measure again)")
-    best = {dtype: float("inf") for dtype in CANDIDATES}
-    for dtype in CANDIDATES:  # warm-up: allocator, oneDNN primitives, the engine's cost model
+    best = {dtype: float("inf") for dtype in names}
+    for dtype in names:  # warm-up: allocator, oneDNN primitives, the engine's cost model
         runs[dtype]()
     for _ in range(rounds):
-        for dtype in CANDIDATES:
+        for dtype in names:
             best[dtype] = min(best[dtype], runs[dtype]())
     winner = pick(best)
-    for key in [k for k in _LOADED if k[2] != getattr(torch, winner) and k[1] == "cpu"]:
+    kept = load_model(spec, device="cpu", dtype=winner)
+    for key in [k for k, v in _LOADED.items() if v is not kept and k[1] == "cpu"]:
         if key[0] == str(_folder_of(spec)):
-            del _LOADED[key]  # the loser's weights are not kept
+            del _LOADED[key]  # the losers' weights are not kept
     choice = Choice(winner, path, {d: round(ms, 2) for d, ms in best.items()})
     log(f"speculant: {choice.describe()}")
     return choice
 
 
-# bfloat16 must be this much faster to be chosen: float32's greedy output is HF's token for token
-# (bf16's parts from HF's at near-ties), and a smaller gap is within a busy machine's noise (measured
-# beside another process: bf16 1030.5 against float32 1037.1 ms a token, then 2.5x slower in use)
+# bfloat16 or quantized weights must be this much faster to be chosen: float32's greedy output is HF's
+# token for token (theirs parts from HF's at near-ties), and a smaller gap is within a busy machine's
+# noise (measured beside another process: bf16 1030.5 against float32 1037.1 ms a token, then 2.5x
+# slower in use)
 BF16_MUST_WIN_BY = 0.10
 
 
 def pick(ms_per_token: dict) -> str:
-    """The dtype to run from measured ms per token: bfloat16 only by a clear margin."""
-    bf16, fp32 = ms_per_token.get("bfloat16", float("inf")), ms_per_token.get("float32", float("inf"))
-    return "bfloat16" if bf16 < (1 - BF16_MUST_WIN_BY) * fp32 else "float32"
+    """The dtype to run from measured ms per token: the fastest of bfloat16 and quantized weights
+    where it beats float32 by a clear margin, else float32."""
+    fp32 = ms_per_token.get("float32", float("inf"))
+    rivals = {d: ms for d, ms in ms_per_token.items() if d != "float32"}
+    best = min(rivals, key=rivals.get, default=None)
+    return best if best is not None and rivals[best] < (1 - BF16_MUST_WIN_BY) * fp32 else "float32"
+
+
+def candidates(spec: str, path: str) -> tuple[str, ...]:
+    """float32 and bfloat16; quantized weights too for a .gguf target on the fast path whose kernels
+    build on this machine (``models/quantized.py``)."""
+    from ..models import quantized  # the kernels' build: only when a GGUF could use them
+
+    if path != "fast" or not resolve_model_path(spec).is_file() or quantized.kernels() is None:
+        return CANDIDATES[:2]
+    try:
+        load_model(spec, device="cpu", dtype="quantized")
+    except SpeculantError:  # no linear in a format with a kernel
+        return CANDIDATES[:2]
+    return CANDIDATES
 
 
 def best_path(spec: str) -> str:

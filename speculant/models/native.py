@@ -1,0 +1,42 @@
+"""The C++ kernels in ``csrc/``, compiled once per machine with this machine's compiler.
+
+Each is built with ``-march=native`` (this CPU's vectors and fused multiply-adds) and OpenMP
+(at::parallel_for's threads); PyTorch keeps the build under its extensions folder, named per
+source, flags and CPU, so a home folder shared by machines of other CPUs never loads one built
+elsewhere. Where no compiler is at hand, or a build fails, ``build`` says so once and returns None:
+the caller falls back to PyTorch ops.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import sys
+from pathlib import Path
+
+from .cpu_kernels import cpu_key
+
+FLAGS = ("-O3", "-march=native", "-fopenmp")
+CSRC = Path(__file__).parent / "csrc"
+
+
+@functools.cache
+def build(stem: str, functions: tuple[str, ...], what: str, flags: tuple[str, ...] = ()):
+    """The compiled module of ``csrc/<stem>.cpp`` exposing ``functions``, or None (no compiler, a
+    failed build). ``what`` names it in messages ("the CPU attention kernel")."""
+    try:
+        from torch.utils import cpp_extension  # a fifth of a second to import: only to build a kernel
+
+        source = (CSRC / f"{stem}.cpp").read_text()
+        headers = "".join(h.read_text() for h in sorted(CSRC.glob("*.h")))  # included: a change rebuilds
+        all_flags = list(FLAGS + flags)
+        tag = hashlib.sha256((source + headers + " ".join(all_flags) + cpu_key()).encode()).hexdigest()[:12]
+        name = f"speculant_{stem}_{tag}"
+        if not list(Path(cpp_extension.get_default_build_root()).glob(f"*/{name}/{name}.so")):
+            print(f"speculant: building {what} for this machine (once, about a minute)", file=sys.stderr, flush=True)
+        return cpp_extension.load_inline(name, [source], functions=list(functions), extra_cflags=all_flags,
+                                         extra_ldflags=["-fopenmp"], extra_include_paths=[str(CSRC)],
+                                         verbose=False)
+    except Exception as e:  # no compiler or ninja, or a failed build
+        print(f"speculant: could not build {what} ({str(e).splitlines()[0][:120]}); using PyTorch ops",
+              file=sys.stderr, flush=True)
+        return None

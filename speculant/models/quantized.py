@@ -1,0 +1,262 @@
+"""A GGUF's weights kept quantized on the CPU fast path (``dtype="quantized"``).
+
+Dequantising a GGUF to bf16 or float32 makes every token stream 3-6x the bytes of the file itself.
+Here the linear layers keep the file's blocks and multiply with them directly
+(``csrc/quant_linear.cpp``): activations, norms, attention and the KV cache stay float32.
+
+One layout serves the formats: blocks of 32 inputs, w = scale * q + min with a float32 scale and
+min per block, 4-bit codes (two to a byte) or 8-bit ones. Q4_0, Q4_1, Q4_K and Q8_0 map onto it
+exactly (a Q4_K super-block's 6-bit scales and mins become each sub-block's float32 products;
+Q4_0's offset of 8 becomes min = -8 * scale), so the weights the kernel multiplies with are the
+dequantised model's, bit for bit: ``read`` proves it per tensor against the model loaded from the
+same file, and a tensor that does not match (or of another format: Q5, Q6_K) stays dense.
+
+The kernel gives each row the same bits at any width by construction (each output's weights are
+dequantized once per call; every row takes its dot product with them in fixed lanes and a fixed
+order): the fast path checks it per machine like any other matmul (``invariant.linear_rows``).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import native
+
+BLOCK = 32
+FORMATS = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
+ENV = "SPECULANT_QUANTIZED_KERNEL"  # "torch": dequantize and F.linear instead of the compiled kernel (tests)
+
+
+@dataclass
+class QuantWeight:
+    """A weight [out, in] as blocks of 32 inputs: w = scale * code + min (float32 scale and min)."""
+
+    codes: torch.Tensor  # uint8 [out, in / 2] (4-bit: byte i of a block holds inputs i and 16 + i) or [out, in] (8-bit, signed)
+    scale: torch.Tensor  # float32 [out, in / 32]
+    min: torch.Tensor  # float32 [out, in / 32]
+    bits: int
+    source: str  # the GGUF format it came from
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.scale.shape[0], self.scale.shape[1] * BLOCK
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.min))
+
+    def signed_codes(self) -> torch.Tensor:
+        """The codes one per input, [out, in] (uint8 0..15 or int8)."""
+        if self.bits == 8:
+            return self.codes.view(torch.int8)
+        n, half = self.codes.shape
+        blocks = self.codes.view(n, half // 16, 16)
+        return torch.cat([blocks & 15, blocks >> 4], -1).view(n, 2 * half)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight (one rounding a weight, as the kernel's)."""
+        n, k = self.shape
+        q = self.signed_codes().float().view(n, k // BLOCK, BLOCK)
+        return (q * self.scale[..., None] + self.min[..., None]).view(n, k)
+
+    def rows(self, index: torch.Tensor) -> "QuantWeight":
+        return QuantWeight(self.codes[index].contiguous(), self.scale[index].contiguous(),
+                           self.min[index].contiguous(), self.bits, self.source)
+
+    @staticmethod
+    def stacked(parts: list["QuantWeight"]) -> "QuantWeight":
+        """One weight for several that read the same input (q/k/v, gate/up): rows stacked. Each output
+        is its own dot product in the kernel, so stacking changes no bits."""
+        return QuantWeight(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
+                           torch.cat([p.min for p in parts]), parts[0].bits, parts[0].source)
+
+    @staticmethod
+    def quantize(weight: torch.Tensor, bits: int) -> "QuantWeight":
+        """Round a dense weight to this layout (affine 4-bit or symmetric 8-bit per block): for the
+        checks and tests, which need a kernel over weights of their own."""
+        n, k = weight.shape
+        w = weight.detach().float().view(n, k // BLOCK, BLOCK)
+        if bits == 8:
+            scale = (w.abs().amax(-1) / 127).clamp_min(1e-8)
+            codes = (w / scale[..., None]).round().clamp(-127, 127).to(torch.int8).view(torch.uint8)
+            return QuantWeight(codes.view(n, k), scale, torch.zeros_like(scale), 8, "Q8")
+        lo, hi = w.amin(-1), w.amax(-1)
+        scale = ((hi - lo) / 15).clamp_min(1e-8)
+        q = ((w - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
+        return QuantWeight(_pack_nibbles(q), scale, lo, 4, "Q4")
+
+
+@functools.cache
+def kernels():
+    """The compiled kernels (``csrc/quantized.cpp``: quant_linear, layer_start, layer_end, norm), or
+    None (no compiler, or $SPECULANT_QUANTIZED_KERNEL=torch)."""
+    if os.environ.get(ENV, "auto") == "torch":
+        return None
+    # -ffp-contract=fast: each multiply-add one FMA (the same instruction for every row)
+    return native.build("quantized", ("quant_linear", "layer_start", "layer_end", "norm", "group_size"),
+                        "the CPU quantized-weight kernels", ("-ffp-contract=fast",))
+
+
+class QuantLinear:
+    """A linear layer over a ``QuantWeight`` (float32 in and out), shaped like cpu_kernels.PackedLinear.
+    Without the compiled kernel: the dequantised weight and ``F.linear`` (slow, and not the kernel's bits)."""
+
+    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None):
+        self.weight = weight
+        self.out_features, self.in_features = weight.shape
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self._dense = None
+        k = kernels()
+        if k is not None:  # the kernel's arguments: the weight packed for streaming, a bias (zeros for none)
+            bias = self.bias if self.bias is not None else torch.zeros(self.out_features)
+            self.args = [pack(weight, k.group_size()), bias]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        k = kernels()
+        if k is None:
+            if self._dense is None:
+                self._dense = self.weight.dequantize()
+            return torch.nn.functional.linear(x, self._dense, self.bias)
+        y = k.quant_linear(x.reshape(-1, self.in_features).contiguous(), self.args, self.weight.bits)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def pack(w: QuantWeight, group: int) -> torch.Tensor:
+    """The kernel's layout: outputs in groups of ``group`` (zero rows fill the last), and per group,
+    block after block, each output's record: float32 scale, float32 min, its codes.
+    uint8 [groups, blocks, group, record]."""
+    n, k = w.shape
+    blocks, pad = k // BLOCK, -n % group
+    codes = w.codes.view(n, blocks, -1)
+    record = torch.cat([w.scale[..., None].view(torch.uint8), w.min[..., None].view(torch.uint8), codes], -1)
+    record = torch.nn.functional.pad(record, (0, 0, 0, 0, 0, pad))
+    return record.view(-1, group, blocks, record.shape[-1]).transpose(1, 2).contiguous()
+
+
+# ---------------------------------------------------------------------------------------------------
+# reading a GGUF
+
+
+def _halves(blocks: np.ndarray, at: int) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(blocks[..., at : at + 2]).view(np.float16)[..., 0].astype(np.float32))
+
+
+def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """codes [n, blocks, 32] (0..15) -> bytes [n, blocks * 16]: byte i holds codes i and 16 + i."""
+    return (q[..., :16] | (q[..., 16:] << 4)).reshape(q.shape[0], -1).contiguous()
+
+
+def _k4_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's 12 bytes -> the 8 sub-blocks' 6-bit scales and mins (ggml's get_scale_min_k4)."""
+    s = scales.astype(np.uint8)
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], -1)
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def from_gguf_blocks(kind: str, data: np.ndarray, in_features: int) -> QuantWeight:
+    """A GGUF tensor's raw blocks (uint8 [out, bytes a row]) in this module's layout."""
+    n = data.shape[0]
+    nb = in_features // BLOCK
+    if kind == "Q8_0":
+        b = data.reshape(n, nb, 34)
+        codes = torch.from_numpy(np.ascontiguousarray(b[..., 2:]).reshape(n, in_features))
+        scale = _halves(b, 0)
+        return QuantWeight(codes, scale, torch.zeros_like(scale), 8, kind)
+    if kind in ("Q4_0", "Q4_1"):
+        size = 18 if kind == "Q4_0" else 20
+        b = data.reshape(n, nb, size)
+        codes = torch.from_numpy(np.ascontiguousarray(b[..., size - 16 :]).reshape(n, nb * 16))
+        scale = _halves(b, 0)
+        low = -8 * scale if kind == "Q4_0" else _halves(b, 2)
+        return QuantWeight(codes, scale, low, 4, kind)
+    if kind == "Q4_K":
+        b = data.reshape(n, in_features // 256, 144)
+        d, dmin = _halves(b, 0), _halves(b, 2)
+        sc, mn = _k4_scales(b[..., 4:16])
+        scale = (d[..., None] * torch.from_numpy(sc)).reshape(n, nb)
+        low = -(dmin[..., None] * torch.from_numpy(mn)).reshape(n, nb)
+        qs = torch.from_numpy(np.ascontiguousarray(b[..., 16:])).view(n, -1, 4, 32)  # 4 chunks of 64 inputs
+        q = torch.stack([qs & 15, qs >> 4], 3).reshape(n, nb, BLOCK)  # low nibbles: the chunk's first 32
+        return QuantWeight(_pack_nibbles(q), scale, low, 4, kind)
+    raise ValueError(f"no quantized kernel for {kind}")
+
+
+LLAMA_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+               "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+               "ffn_down": "mlp.down_proj"}
+
+
+def gguf_source(model: torch.nn.Module) -> Path | None:
+    """The GGUF file a model was loaded from (``loading`` records it beside the dequantised weights)."""
+    folder = Path(getattr(model.config, "_name_or_path", "") or ".")
+    try:
+        return Path(json.loads((folder / "speculant-source.json").read_text())["gguf"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _head_orders(n: int, cfg) -> list[torch.Tensor | None]:
+    """Row orders a GGUF q/k weight may need: none, or llama.cpp's rotary interleave undone per head."""
+    orders: list[torch.Tensor | None] = [None]
+    for heads in {cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads}:
+        if n % (2 * heads) == 0:
+            orders.append(torch.arange(n).view(heads, n // heads // 2, 2).transpose(1, 2).reshape(n))
+    return orders
+
+
+def read(model: torch.nn.Module, path: Path | None = None) -> dict[str, QuantWeight]:
+    """The quantized weights of ``model``'s linear layers from its GGUF, by module name
+    ("model.layers.0.self_attn.q_proj", "lm_head"): only those whose dequantised values equal the
+    model's own weights bit for bit (the model must be float32). Empty where the model has no GGUF."""
+    import gguf  # a dependency already (transformers reads GGUF files with it)
+
+    path = path or gguf_source(model)
+    if path is None or not path.is_file():
+        return {}
+    modules = dict(model.named_modules())
+    out: dict[str, QuantWeight] = {}
+    reader = gguf.GGUFReader(str(path))
+    tied = not any(t.name == "output.weight" for t in reader.tensors)
+    for t in reader.tensors:
+        kind = t.tensor_type.name
+        base = t.name.removesuffix(".weight")
+        if kind not in FORMATS or not t.name.endswith(".weight"):
+            continue
+        if base.startswith("blk."):
+            _, layer, part = base.split(".", 2)
+            if part not in LLAMA_NAMES:
+                continue
+            name = f"model.layers.{layer}.{LLAMA_NAMES[part]}"
+        elif base == "output" or (base == "token_embd" and tied):
+            name = "lm_head"
+        else:
+            continue
+        module = modules.get(name)
+        dense = getattr(module, "weight", None)
+        if dense is None or dense.dtype != torch.float32 or dense.dim() != 2:
+            continue
+        w = from_gguf_blocks(kind, np.asarray(t.data), int(t.shape[0]))
+        if w.shape != tuple(dense.shape):
+            continue
+        for order in _head_orders(w.shape[0], model.config) if ".q_proj" in name or ".k_proj" in name else [None]:
+            cand = w if order is None else w.rows(order)
+            if torch.equal(cand.dequantize(), dense.detach()):
+                out[name] = cand
+                break
+    return out
+
+
+def describe(weights: dict[str, QuantWeight], dense_linears: int) -> str:
+    """"Q4_1 x210, Q8_0 x1 (+3 dense)": what the quantized path multiplies with."""
+    counts: dict[str, int] = {}
+    for w in weights.values():
+        counts[w.source] = counts.get(w.source, 0) + 1
+    text = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
+    return text + (f" (+{dense_linears} dense)" if dense_linears else "")

@@ -1,0 +1,229 @@
+"""Quantized weights on the CPU fast path (``dtype="quantized"``, models/quantized.py).
+
+- Each GGUF format maps onto the kernel's layout exactly: our dequantised weights equal gguf-py's
+  own dequantisation bit for bit, on random blocks of every format.
+- The kernels (linear, the layer glue, the norm) are width-invariant: a row gets the same bits in a
+  call of any width, beside any other rows, and are right (close to float64 references).
+- End to end, a tiny Llama whose weights are quantized and the real default target's own Q4_1
+  GGUF: speculative output equals plain decoding over the same quantized weights for every
+  drafter, and plain decoding agrees with HF ``generate`` on the dequantised model but for
+  near-ties (shown with their logit gap).
+"""
+import numpy as np
+import pytest
+import torch
+
+import speculant
+from speculant.drafters import ModelDrafter, default_drafter, make_drafter
+from speculant.errors import SpeculantError
+from speculant.models import quantized
+from speculant.models.loading import LoadedModel, load_model
+from speculant.models.quantized import QuantLinear, QuantWeight
+from helpers import hf_greedy, mismatch_report, save_tiny_folder, tiny_llama
+
+needs_kernel = pytest.mark.skipif(quantized.kernels() is None, reason="no C++ compiler for the CPU kernels")
+GGML = __import__("gguf").GGMLQuantizationType
+BLOCK_BYTES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144)}
+
+
+def _random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Raw GGUF blocks of ``kind`` with random codes and random but finite fp16 scales."""
+    rng = np.random.default_rng(seed)
+    per, size = BLOCK_BYTES[kind]
+    raw = rng.integers(0, 256, (rows, cols // per, size), dtype=np.uint8)
+    halves = 2 if kind in ("Q4_1", "Q4_K") else 1
+    scales = (rng.standard_normal((rows, cols // per, halves)) * 0.02).astype(np.float16)
+    raw[..., : 2 * halves] = scales.view(np.uint8).reshape(rows, cols // per, 2 * halves)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", sorted(BLOCK_BYTES))
+def test_gguf_formats_map_exactly(kind):
+    import gguf
+
+    raw = _random_blocks(kind, 12, 512)
+    want = gguf.quants.dequantize(raw, getattr(GGML, kind)).astype(np.float32)
+    got = quantized.from_gguf_blocks(kind, raw, 512).dequantize()
+    assert torch.equal(got, torch.from_numpy(want))
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("out_features,in_features,bias", [(96, 64, False), (150, 544, True), (13, 32, False)])
+def test_linear_kernel_width_invariant_and_right(bits, out_features, in_features, bias):
+    g = torch.Generator().manual_seed(bits)
+    w = QuantWeight.quantize(torch.randn(out_features, in_features, generator=g), bits)
+    b = torch.randn(out_features, generator=g) if bias else None
+    lin = QuantLinear(w, b)
+    x = torch.randn(70, in_features, generator=g)
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(len(x))])
+    for m in list(range(1, 18)) + [31, 32, 33, 64, 70]:
+        assert torch.equal(lin(x[:m]), alone[:m]), f"{m} rows"
+        assert torch.equal(lin(x[len(x) - m :]), alone[len(x) - m :]), f"the last {m} rows"
+    want = x.double() @ w.dequantize().double().T + (0 if b is None else b.double())
+    torch.testing.assert_close(alone.double(), want, rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+def test_layer_kernels_width_invariant_and_right():
+    """layer_start (norm, q/k/v, rotary), layer_end (o, residual, norm, gate/up, SiLU, down, residual)
+    and the final norm against the same math in float64, and each row alone against any width."""
+    k = quantized.kernels()
+    g = torch.Generator().manual_seed(0)
+    H, heads, kv, D, inter, eps = 64, 4, 2, 16, 128, 1e-5
+    lin = {n: QuantLinear(QuantWeight.quantize(torch.randn(o, i, generator=g) * 0.2, bits))
+           for n, o, i, bits in (("qkv", (heads + 2 * kv) * D, H, 4), ("o", H, heads * D, 8),
+                                 ("gu", 2 * inter, H, 4), ("down", H, inter, 4))}
+    ln1, ln2 = 1 + 0.1 * torch.randn(H, generator=g), 1 + 0.1 * torch.randn(H, generator=g)
+    M = 19
+    h, attn = torch.randn(M, H, generator=g), torch.randn(M, heads * D, generator=g)
+    ang = torch.rand(M, D // 2, generator=g) * 6
+    cos, sin = torch.cat([ang.cos()] * 2, -1).contiguous(), torch.cat([ang.sin()] * 2, -1).contiguous()
+
+    def start(r):
+        return k.layer_start(h[r], ln1, eps, lin["qkv"].args, 4, cos[r], sin[r], heads + kv, D)
+
+    def end(r):
+        return k.layer_end(h[r], attn[r], lin["o"].args, 8, ln2, eps, lin["gu"].args, 4, lin["down"].args, 4)
+
+    for fn in (start, end, lambda r: k.norm(h[r], ln1, eps)):
+        alone = torch.cat([fn(slice(i, i + 1)) for i in range(M)])
+        for m in (2, 3, 4, 5, 8, 19):
+            assert torch.equal(fn(slice(0, m)), alone[:m])
+
+    def norm(x, w):
+        x = x.double()
+        return w.double() * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+    def mm(x, n):
+        return x @ lin[n].weight.dequantize().double().T
+
+    y = mm(norm(h, ln1), "qkv").view(M, -1, D)
+    c, s = cos.double()[:, None], sin.double()[:, None]
+    roped = y[:, : heads + kv]
+    y[:, : heads + kv] = roped * c + torch.cat([-roped[..., D // 2 :], roped[..., : D // 2]], -1) * s
+    torch.testing.assert_close(start(slice(None)).double(), y.view(M, -1), rtol=1e-4, atol=1e-4)
+    h1 = h.double() + mm(attn.double(), "o")
+    gate, up = mm(norm(h1, ln2), "gu").chunk(2, -1)
+    want = h1 + mm(torch.nn.functional.silu(gate) * up, "down")
+    torch.testing.assert_close(end(slice(None)).double(), want, rtol=1e-4, atol=1e-4)
+
+
+def _quantized_tiny(seed: int = 0):
+    """A tiny Llama whose linears are quantized (4-bit, the LM head 8-bit) and whose dense weights
+    are the dequantised ones: HF generate on it is the reference for the quantized path."""
+    model = tiny_llama(seed=seed, vocab=96, layers=4, hidden=64)
+    weights = {}
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            if isinstance(mod, torch.nn.Linear):
+                w = QuantWeight.quantize(mod.weight, 8 if name == "lm_head" else 4)
+                mod.weight.copy_(w.dequantize())
+                weights[name] = w
+    model.speculant_quantized = weights
+    return model
+
+
+@needs_kernel
+@pytest.mark.parametrize("drafter,gamma,batch", [
+    ("ngram", 3, 1), ("ngram:tree", "auto", 1), ("suffix", 4, 1), ("layerskip:1,2", 2, 1), ("ngram", "auto", 3),
+    ("model", 4, 1), ("model", 3, 3),
+])
+def test_tiny_quantized_speculative_equals_plain(drafter, gamma, batch):
+    model = _quantized_tiny()
+    target = LoadedModel(model, None, "tiny-quantized")
+    plain = speculant.Generator(target, make_drafter("none", target))
+    assert plain.backend.info()["cpu_kernels"].startswith("quantized")
+    assert plain.backend.info()["exact"] == "bitwise"
+    if drafter == "model":
+        d = ModelDrafter(tiny_llama(seed=5, vocab=96, layers=1, hidden=32))
+    else:
+        d = make_drafter(drafter, target)
+    spec = speculant.Generator(target, d, gamma=gamma)
+    g = torch.Generator().manual_seed(1)
+    base = torch.randint(0, 96, (8,), generator=g).tolist()
+    prompts = [base * 3 + torch.randint(0, 96, (n,), generator=g).tolist() for n in (3, 9, 17)][:max(batch, 3)]
+    want = [o.token_ids for p in prompts for o in plain.generate_ids([p], max_new_tokens=40)]
+    if batch == 1:
+        got = [o.token_ids for p in prompts for o in spec.generate_ids([p], max_new_tokens=40)]
+    else:
+        got = [o.token_ids for o in spec.generate_ids(prompts, max_new_tokens=40)]
+    assert got == want
+
+
+@needs_kernel
+def test_tiny_quantized_plain_agrees_with_hf_on_dequantised_weights():
+    """Plain decoding over quantized weights vs HF generate over the same weights dequantised: the
+    kernels sum in another order, so a near-tie may flip; anything else is a bug (shown with gaps)."""
+    model = _quantized_tiny(seed=3)
+    target = LoadedModel(model, None, "tiny-quantized")
+    plain = speculant.Generator(target, make_drafter("none", target))
+    g = torch.Generator().manual_seed(2)
+    agree = 0
+    for n in (4, 11, 23, 30):
+        prompt = torch.randint(0, 96, (n,), generator=g).tolist()
+        ref = hf_greedy(model, prompt, 24)
+        got = plain.generate_ids([prompt], max_new_tokens=24)[0].token_ids
+        if got == ref:
+            agree += 1
+            continue
+        i = next(j for j, (a, b) in enumerate(zip(got, ref)) if a != b)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + ref[:i]])).logits[0, -1].double()
+        gap = float(logits[ref[i]] - logits[got[i]])
+        assert gap < 1e-3, mismatch_report(model, prompt, ref, got)
+    assert agree >= 3
+
+
+def test_quantized_needs_a_gguf_on_the_cpu(tmp_path):
+    folder = save_tiny_folder(tmp_path / "tiny")
+    with pytest.raises(SpeculantError, match="needs a .gguf model"):
+        load_model(str(folder), device="cpu", dtype="quantized")
+    if not torch.cuda.is_available():
+        return
+    with pytest.raises(SpeculantError, match="CPU only"):
+        load_model("default", device="cuda", dtype="quantized")
+
+
+@needs_kernel
+def test_quantized_refuses_compile():
+    model = _quantized_tiny()
+    target = LoadedModel(model, None, "tiny-quantized")
+    with pytest.raises(SpeculantError, match="compile does not apply"):
+        speculant.Generator(target, make_drafter("none", target), compile=True)
+
+
+@pytest.fixture(scope="module")
+def quantized_default():
+    return load_model("default", device="cpu", dtype="quantized")
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_default_gguf_is_read_exactly(quantized_default):
+    """Every linear of the default target's Q4_1 GGUF (and its Q8_0 tied LM head) is kept quantized,
+    q and k with llama.cpp's rotary row order undone: read() proved each equal to the dense weight."""
+    weights = quantized_default.model.speculant_quantized
+    assert len(weights) == 30 * 7 + 1
+    assert {w.source for w in weights.values()} == {"Q4_1", "Q8_0"} and weights["lm_head"].source == "Q8_0"
+    gen = speculant.Generator(quantized_default, make_drafter("none", quantized_default))
+    assert gen.backend.info()["cpu_kernels"] == "quantized (Q4_1 x210, Q8_0 x1)"
+
+
+PROMPTS = ["Write a haiku about rivers", "What is 17 times 23? Explain step by step.",
+           "Translate to French: The cat sleeps on the warm windowsill."]
+
+
+@needs_kernel
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter,gamma", [("default", "auto"), ("ngram", 4), ("layerskip", 3), ("suffix", "auto")])
+def test_default_quantized_speculative_equals_plain(quantized_default, drafter, gamma):
+    plain = speculant.Generator(quantized_default, make_drafter("none", quantized_default))
+    assert plain.backend.info()["exact"] == "bitwise"
+    d = default_drafter(quantized_default) if drafter == "default" else drafter
+    spec = speculant.Generator(quantized_default, make_drafter(d, quantized_default), gamma=gamma)
+    ids = [plain.encode(p) for p in PROMPTS]
+    want = [plain.generate_ids([i], max_new_tokens=32)[0].token_ids for i in ids]
+    got = [spec.generate_ids([i], max_new_tokens=32)[0].token_ids for i in ids]
+    assert got == want
+    assert spec.generate_ids([ids[0]], max_new_tokens=32)[0].stats["accepted_draft_tokens"] > 0
