@@ -12,6 +12,7 @@ from speculant.bench.metrics import ALL, find, first_divergence, mismatches, sum
 from speculant.bench.prompts import BenchPrompt, read_prompts, select_prompts
 from speculant.bench.runner import BenchConfig, batches, plan
 from speculant.cli import main
+from speculant.drafters import make_drafter
 from speculant.drafters.base import Drafter, Proposal
 from speculant.errors import SpeculantError
 from helpers import save_tiny_folder
@@ -357,3 +358,46 @@ def test_serve_load_runs_warm_waves_then_both_modes_and_refuses_bad_options(tmp_
     assert all(r["failures"] == 0 and r["generated_tokens"] > 0 for r in result["rows"])
     assert serve_load.main(["--warmup-waves", "-1"]) == 2
     assert "--warmup-waves >= 0" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- peer runtimes (bench/peers.py)
+
+def test_peers_join_the_greedy_primary_run_and_are_compared_for_information():
+    cfg = BenchConfig(drafters=["ngram"], peers=["llama.cpp", "openvino"])
+    names = [m.name for m, s in plan(cfg)]
+    assert {"llama.cpp", "llama.cpp prompt lookup", "openvino", "openvino prompt lookup"} <= set(names)
+    assert all(s.batch_size == 1 and s.temperature == 0 for m, s in plan(cfg) if m.kind == "peer")
+    sampled = BenchConfig(drafters=["ngram"], temperatures=[0.7], peers=["openvino"])
+    assert not [m for m, _ in plan(sampled) if m.kind == "peer"]  # peers run greedy only
+    hf = [5, 6, 7, 8]
+    recs = [record(HF_GENERATE, [row(0, "x", hf), row(1, "y", hf)], 1.0),
+            record("llama.cpp", [row(0, "x", [5, 6, 9]), row(1, "y", hf)], 0.5, kind="peer")]
+    summary = summarize(recs)
+    assert find(summary, method="llama.cpp", category=ALL)[0]["identical"] == "1 of 2 as HF (another runtime)"
+    assert mismatches(recs) == []  # another runtime's rounding is not a speculation mismatch
+
+
+def test_peers_need_a_gguf_target_and_an_installed_runtime(tiny, capsys, monkeypatch):
+    with pytest.raises(SpeculantError, match="other runtimes on the target's .gguf"):
+        MethodRunner(tiny["target"], [], "cpu", peers=["openvino"])
+    from speculant.bench import peers
+
+    monkeypatch.setattr(peers, "installed", lambda: [])
+    assert main(["bench", "--target", tiny["target"], "--peers", "llama.cpp", "--quick"]) == 2
+    assert "'llama.cpp' is not installed" in capsys.readouterr().err
+    assert main(["bench", "--target", tiny["target"], "--peers", "vllm", "--quick"]) == 2
+    assert "unknown peer 'vllm'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not __import__("speculant.bench.peers", fromlist=["x"]).installed(),
+                    reason="no peer runtime installed (llama-cpp-python or openvino-genai)")
+def test_installed_peers_generate_from_our_token_ids():
+    from speculant.bench import peers
+    from speculant.models.loading import default_model_path, load_model
+
+    target = load_model("default", device="cpu")
+    ids = Generator(target, make_drafter("none", target)).encode("Write a haiku about rivers")
+    for name in peers.method_names(peers.installed()):
+        out = peers.load(name, default_model_path(), 512).generate(ids, 12, target.eos_token_ids)
+        assert 0 < len(out) <= 12 and all(isinstance(t, int) for t in out), name

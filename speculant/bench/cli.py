@@ -9,6 +9,8 @@ from pathlib import Path
 
 from ..drafters import DRAFTER_HELP
 from ..errors import SpeculantError, check_writable
+from ..models.loading import resolve_device, resolve_model_path
+from . import peers
 from .methods import AUTO, MethodRunner
 from .metrics import mismatches, summarize
 from .prompts import read_prompts, select_prompts
@@ -92,6 +94,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--path", default="auto", choices=["auto", "fast", "general"],
                    help="speculant's forward: auto (fast where the architecture has one), fast (static cache; "
                         "layerskip then shares the target's cache), general")
+    b.add_argument("--peers", default="auto", help="other runtimes on the same .gguf, side by side, greedy: auto "
+                   "(those installed: llama.cpp via llama-cpp-python, openvino via openvino-genai; none unless the "
+                   "target is a .gguf on the CPU) | none | a comma list")
     b.add_argument("--no-chat-template", action="store_true", help="feed prompts as raw text (base models)")
     b.add_argument("--out", default=None, help="results folder (default: bench-out/<machine>-<date>)")
     b.add_argument("--quick", action="store_true",
@@ -99,6 +104,24 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.set_defaults(func=cmd_bench)
     return b
+
+
+def _peers(value: str, target: str, device: str | None) -> list[str]:
+    """--peers: auto = the installed ones where they apply (a .gguf target on the CPU), else a list."""
+    if value == "none":
+        return []
+    if value == "auto":
+        on_cpu = resolve_device(device).type == "cpu"
+        return peers.installed() if on_cpu and resolve_model_path(target).is_file() else []
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    unknown = [n for n in names if n not in peers.PEERS]
+    if unknown:
+        raise SpeculantError(f"unknown peer {unknown[0]!r}: use auto, none or a comma list of {', '.join(peers.PEERS)}")
+    missing = [n for n in names if n not in peers.installed()]
+    if missing:
+        raise SpeculantError(f"peer {missing[0]!r} is not installed: pip install "
+                             f"{'llama-cpp-python' if missing[0] == 'llama.cpp' else 'openvino-genai'}, or --peers none")
+    return names
 
 
 def _slug(text: str) -> str:
@@ -118,13 +141,14 @@ def cmd_bench(args) -> int:
         target=args.target, drafters=list(dict.fromkeys(args.drafters)), gammas=list(dict.fromkeys(args.gamma)),
         temperatures=list(dict.fromkeys(args.temperature)), batch_sizes=list(dict.fromkeys(args.batch_size)),
         max_new_tokens=max_new, repeats=repeats, warmup=args.warmup, seed=args.seed,
-        device=args.device, dtype=args.dtype, path=args.path, chat_template=not args.no_chat_template)
+        device=args.device, dtype=args.dtype, path=args.path, chat_template=not args.no_chat_template,
+        peers=_peers(args.peers, args.target, args.device))
     plan(config)  # bad drafter specs fail before any model is loaded
     if args.out:
         check_writable(args.out)  # before minutes of generation, not when the results are written
 
     runner = MethodRunner(config.target, config.drafters, config.device, config.dtype,
-                          chat_template=config.chat_template, path=config.path)
+                          chat_template=config.chat_template, path=config.path, peers=config.peers)
     machine = machine_info(runner.device)
     out_dir = Path(args.out) if args.out else Path("bench-out") / (
         f"{_slug(device_label(machine))}-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -19,8 +19,9 @@ from ..drafters import check_spec, make_drafter, parse_spec
 from ..drafters.base import sync
 from ..drafters.model import load_draft
 from ..errors import SpeculantError
-from ..models.loading import resolve_device
+from ..models.loading import resolve_device, resolve_model_path
 from ..tools.loader import load
+from . import peers as peer_runtimes
 from .prompts import BenchPrompt
 
 HF_GENERATE = "hf generate"
@@ -38,8 +39,8 @@ def gamma_for_engine(gamma):
 
 @dataclass(frozen=True)
 class Method:
-    name: str  # "hf generate", "hf assisted ngram", "speculant model:PATH", ...
-    kind: str  # "hf" | "hf_assisted" | "speculant"
+    name: str  # "hf generate", "hf assisted ngram", "speculant model:PATH", "llama.cpp", ...
+    kind: str  # "hf" | "hf_assisted" | "speculant" | "peer" (another runtime on the same GGUF: bench/peers.py)
     drafter: str  # "none" | "ngram" | "model:PATH"
 
     @property
@@ -47,9 +48,10 @@ class Method:
         return self.drafter != "none"
 
 
-def methods_for(drafters: list[str]) -> list[Method]:
+def methods_for(drafters: list[str], peers: list[str] = ()) -> list[Method]:
     """HF generate and speculant none always; per drafter: speculant, and HF assisted generation where
-    Hugging Face has the same drafter (prompt lookup for ngram, assistant_model for model:PATH)."""
+    Hugging Face has the same drafter (prompt lookup for ngram, assistant_model for model:PATH);
+    then each peer runtime's modes (bench/peers.py)."""
     out = [Method(HF_GENERATE, "hf", "none"), Method(SPECULANT_NONE, "speculant", "none")]
     for d in drafters:
         spec = check_spec(d)
@@ -58,7 +60,7 @@ def methods_for(drafters: list[str]) -> list[Method]:
         if spec.text == "ngram" or spec.kind == "model":
             out.append(Method(f"hf assisted {d}", "hf_assisted", d))
         out.append(Method(f"speculant {d}", "speculant", d))
-    return out
+    return out + [Method(name, "peer", "none") for name in peer_runtimes.method_names(list(peers))]
 
 
 @dataclass(frozen=True)
@@ -140,7 +142,7 @@ class MethodRunner:
     """Holds the target, one speculant Generator per drafter and the HF assistant models."""
 
     def __init__(self, target: str = "default", drafters: list[str] = (), device=None, dtype=None,
-                 chat_template: bool = True, path: str = "auto"):
+                 chat_template: bool = True, path: str = "auto", peers: list[str] = ()):
         if dtype is None and resolve_device(device).type == "cpu":
             dtype = "float32"  # comparable across machines; "auto" picks the fastest exact dtype here
         base = load(target, drafter="none", device=device, dtype=dtype, path=path)
@@ -166,6 +168,14 @@ class MethodRunner:
                 self.assistants[d] = loaded.model
                 if loaded.vocab_size != self.target.vocab_size:  # HF's universal assisted generation
                     self.assistant_tokenizers[d] = loaded.tokenizer
+        self.peers = {}
+        if peers:
+            gguf = resolve_model_path(target)
+            if not gguf.is_file() or self.device.type != "cpu":
+                raise SpeculantError("--peers runs other runtimes on the target's .gguf file on the CPU: give a "
+                                     ".gguf target (or 'default') and --device cpu, or --peers none")
+            context = self.target.context_length
+            self.peers = {name: peer_runtimes.load(name, gguf, context) for name in peer_runtimes.method_names(peers)}
         tok = self.target.tokenizer
         eos = self.target.eos_token_ids
         self.eos = eos
@@ -184,7 +194,7 @@ class MethodRunner:
     def run(self, method: Method, setting: Setting, batch: list[BenchPrompt], ids: list[list[int]],
             max_new_tokens: int, seed: int) -> dict:
         """One timed call; returns the raw record."""
-        runner = self._speculant if method.kind == "speculant" else self._hf
+        runner = {"speculant": self._speculant, "peer": self._peer}.get(method.kind, self._hf)
         sync(self.device)
         with PeakMemory(self.device) as mem:
             t0 = time.perf_counter()
@@ -220,6 +230,13 @@ class MethodRunner:
                 "tree_passes": s.get("tree_passes", 0), "tree_nodes": s.get("tree_nodes", 0),
             })
         return rows, {}
+
+    def _peer(self, method, setting, ids, max_new_tokens, seed):
+        if len(ids) > 1 or setting.temperature > 0:
+            raise SpeculantError(f"{method.name} runs greedy at batch size 1 only in a bench")
+        out = self.peers[method.name].generate(ids[0], max_new_tokens, self.eos)
+        return [{"token_ids": out, "new_tokens": len(out), "target_forward_passes": None, "draft_tokens": None,
+                 "accepted_draft_tokens": None, "acceptance_by_position": None}], {}
 
     def _hf(self, method, setting, ids, max_new_tokens, seed):
         model = self.target.model

@@ -13,7 +13,8 @@ Definitions (per method, setting and category; pooled over prompts and repeats):
   a speculant method's is ``speculant none`` (plain decoding through the same engine, dtype and
   kernels: speculation promises its text bit for bit), any other method's HF ``generate``'s.
   ``speculant none`` itself is held to HF ``generate`` (in bf16 it parts from HF's own kernels at
-  rounding near-ties: ``plain_vs_hf``)
+  rounding near-ties: ``plain_vs_hf``); a peer runtime's count of texts equal to HF's is for
+  information (it re-quantizes or rounds otherwise)
 """
 from __future__ import annotations
 
@@ -63,8 +64,8 @@ def mismatches(records: list[dict], plain: bool = False) -> list[dict]:
     refs = references(records)
     out = []
     for rec in records:
-        if rec["temperature"] != 0 or (rec["method"] == SPECULANT_NONE) != plain:
-            continue
+        if rec["temperature"] != 0 or (rec["method"] == SPECULANT_NONE) != plain or rec["kind"] == "peer":
+            continue  # peers: another runtime's rounding, compared for information (summary "identical")
         name, ref = reference_of(rec["method"], refs)
         for row in rec["rows"]:
             want = ref.get(row["prompt_id"])
@@ -137,6 +138,8 @@ def _group_metrics(recs: list[dict], rows: list[dict], ref: dict) -> dict:
         out["identical"] = "n/a (sampling)"
     elif not compared:
         out["identical"] = "n/a (no reference)"
+    elif recs[0]["kind"] == "peer":  # another runtime: how often its text is HF's, for information
+        out["identical"] = f"{len(compared) - len(bad)} of {len(compared)} as HF (another runtime)"
     elif bad:
         out["identical"] = f"NO ({len(bad)} of {len(compared)} differ)"
     else:

@@ -22,6 +22,7 @@ class BenchConfig:
     dtype: str | None = None
     path: str = "auto"  # speculant's forward: auto | fast | general
     chat_template: bool = True
+    peers: list[str] = field(default_factory=list)  # other runtimes on the same GGUF (bench/peers.py)
 
     @property
     def primary(self) -> Setting:
@@ -34,8 +35,9 @@ class BenchConfig:
 def plan(config: BenchConfig) -> list[tuple[Method, Setting]]:
     """Unique (method, setting) pairs. Sweeps run only what they need: the γ sweep only speculant
     drafters; the temperature and batch sweeps the two baselines and speculant drafters (HF assisted
-    generation is batch 1 only, and compared where it matters, in the primary run)."""
-    methods = methods_for(config.drafters)
+    generation and peer runtimes are batch 1 only, and compared where it matters, in the primary
+    run; peers only when it is greedy)."""
+    methods = methods_for(config.drafters, config.peers if config.primary.temperature == 0 else [])
     p = config.primary
     pairs: dict[tuple, tuple[Method, Setting]] = {}
 
@@ -94,7 +96,7 @@ def run_benchmark(config: BenchConfig, prompts: list[BenchPrompt], runner: Metho
     Calls are grouped by (temperature, batch size); within a group every prompt batch is run by
     all methods back to back, in an order rotated per batch and repeat so drift favours none."""
     runner = runner or MethodRunner(config.target, config.drafters, config.device, config.dtype,
-                                    chat_template=config.chat_template, path=config.path)
+                                    chat_template=config.chat_template, path=config.path, peers=config.peers)
     pairs = plan(config)
     ids = {p.id: runner.encode(p) for p in prompts}
     groups: dict[tuple, list] = {}
