@@ -137,14 +137,36 @@ def decoder_layer(h, cos, sin, attend, idx, k_cache, v_cache, w: dict, n_heads: 
     return h + _mlp(_rms_norm(h, w["ln2"], eps, w.get("norm_rows")), w)
 
 
+_NO_SLOTS = torch.empty(0, 0, 0, dtype=torch.long)
+
+
+class PassAttention:
+    """A pass's attention, ``attend(q, keys, values)``; ``kernel``: it is the compiled CPU kernel,
+    which a quantized layer calls itself with ``layout`` and ``scaling`` (the layer in one call)."""
+
+    def __init__(self, attention: invariant.Attention, layout: KeyLayout, scaling: float):
+        self.attention, self.layout, self.scaling = attention, layout, scaling
+        modes = {getattr(attention, "chain", ("",))[0], getattr(attention, "tree", ("",))[0]}
+        self.kernel = modes == {"kernel"}
+
+    def __call__(self, q, keys, values):
+        return self.attention(q, keys, values, self.layout, self.scaling)
+
+
 def quantized_layer(h, cos, sin, attend, idx, k_cache, v_cache, w: dict, n_heads: int, n_kv: int, head_dim: int,
                     eps: float, scaling: float, gqa: bool = False):
-    """``decoder_layer`` over quantized weights (``quantized``): the norms, matmuls, rotary, SiLU and
-    residuals in two compiled calls around attention, each row computed alone (width-invariant by
-    construction); ~45 PyTorch ops a layer become 6, which is most of a one-token step's overhead."""
+    """``decoder_layer`` over quantized weights (``quantized``): the norms, matmuls, rotary, cache
+    writes, attention, SiLU and residuals in one compiled call (two around attention in PyTorch ops
+    where the compiled attention kernel is not in use), each row computed alone (width-invariant by
+    construction): ~45 PyTorch ops a layer, most of a one-token step's overhead, become one."""
     B, T, H = h.shape
     k = quantized.kernels()
     qkv, gate_up, o, down = w["quantized"]
+    if getattr(attend, "kernel", False):  # the compiled attention: the whole layer in one call
+        lay = attend.layout
+        return k.layer(h, w["ln1"], eps, qkv.args, qkv.weight.bits, cos, sin, n_heads, n_kv, head_dim, k_cache, v_cache,
+                       idx[1], _NO_SLOTS if lay.order is None else lay.order, lay.count, scaling, o.args, o.weight.bits,
+                       w["ln2"], gate_up.args, gate_up.weight.bits, down.args, down.weight.bits)
     y = k.layer_start(h, w["ln1"], eps, qkv.args, qkv.weight.bits, cos, sin, n_heads + n_kv, head_dim)
     y = y.view(B, T, n_heads + 2 * n_kv, head_dim)
     k_cache.transpose(1, 2).index_put_(idx, y[:, :, n_heads : n_heads + n_kv])
@@ -402,7 +424,7 @@ class FastLlama:
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.rope_scale).to(h.dtype)[:, :, None]
         sin = (emb.sin() * self.rope_scale).to(h.dtype)[:, :, None]
-        attend = None if layout is None else (lambda q, k, v: self.attention(q, k, v, layout, self.scaling))
+        attend = None if layout is None else PassAttention(self.attention, layout, self.scaling)
         tapped = {}
         for i in range(self.n_layers) if layers is None else layers:
             if i in taps:

@@ -99,7 +99,7 @@ def kernels():
     if os.environ.get(ENV, "auto") == "torch":
         return None
     # -ffp-contract=fast: each multiply-add one FMA (the same instruction for every row)
-    return native.build("quantized", ("quant_linear", "layer_start", "layer_end", "norm", "group_size"),
+    return native.build("quantized", ("quant_linear", "layer_start", "layer_end", "layer", "norm", "group_size"),
                         "the CPU quantized-weight kernels", ("-ffp-contract=fast",))
 
 

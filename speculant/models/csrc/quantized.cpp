@@ -17,6 +17,13 @@
 
 #include "vector.h"
 
+// the attention kernel itself, built as attention.cpp builds it (every operation a plain IEEE one), so
+// a layer in one call (``layer``) attends with the very bits of the standalone kernel
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#include "attention.cpp"
+#pragma GCC pop_options
+
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -295,6 +302,44 @@ at::Tensor layer_end(const at::Tensor& h, const at::Tensor& attn, const std::vec
   apply(ld, act.data(), M, I, d.data());
   for (int64_t i = 0; i < M * H; ++i) hp[i] += d[i];
   return out;
+}
+
+// A whole decoder layer for the passes after the prefill, in one call: layer_start; the new keys and
+// values written into the cache at (row, write_at); attention (attention.cpp's kernel: each query over
+// its ``count`` keys, gathered by ``slots`` for a tree, or slots 0.. for a chain); layer_end.
+// h: [B, T, H]; cos, sin: [B, T, D]; caches: [B, n_kv, S, D]; write_at, count: [B, T].
+at::Tensor layer(const at::Tensor& h, const at::Tensor& ln1, double eps, const std::vector<at::Tensor>& qkv,
+                 int64_t qkv_bits, const at::Tensor& cos, const at::Tensor& sin, int64_t n_heads, int64_t n_kv, int64_t D,
+                 at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& write_at, const at::Tensor& slots,
+                 const at::Tensor& count, double scale, const std::vector<at::Tensor>& o, int64_t o_bits,
+                 const at::Tensor& ln2, const std::vector<at::Tensor>& gate_up, int64_t gu_bits,
+                 const std::vector<at::Tensor>& down, int64_t down_bits) {
+  const int64_t B = h.size(0), T = h.size(1), H = h.size(2), heads = n_heads + 2 * n_kv;
+  TORCH_CHECK(h.dim() == 3 && k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat &&
+                  k_cache.dim() == 4 && k_cache.size(0) == B && k_cache.size(1) == n_kv && k_cache.size(3) == D &&
+                  v_cache.sizes() == k_cache.sizes() && write_at.scalar_type() == at::kLong && write_at.size(0) == B &&
+                  write_at.size(1) == T,
+              "layer: caches float32 [B, n_kv, S, D], write_at [B, T]");
+  at::Tensor y = layer_start(h, ln1, eps, qkv, qkv_bits, cos, sin, n_heads + n_kv, D).view({B, T, heads, D});
+  const auto wa = write_at.accessor<int64_t, 2>();
+  const float* yp = y.data_ptr<float>();
+  float *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
+  const int64_t S = k_cache.size(2);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t slot = wa[b][t];
+      TORCH_CHECK(slot >= 0 && slot < S, "layer: write_at outside the cache");
+      for (int64_t j = 0; j < n_kv; ++j) {
+        const float* src = yp + ((b * T + t) * heads + n_heads + j) * D;
+        std::memcpy(kp + b * k_cache.stride(0) + j * k_cache.stride(1) + slot * k_cache.stride(2), src, D * sizeof(float));
+        std::memcpy(vp + b * v_cache.stride(0) + j * v_cache.stride(1) + slot * v_cache.stride(2), src + n_kv * D,
+                    D * sizeof(float));
+      }
+    }
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "layer: caches contiguous along D");
+  at::Tensor a = attend(y.narrow(2, 0, n_heads).transpose(1, 2), k_cache, v_cache, slots, count, scale);
+  a = a.transpose(1, 2).contiguous().view({B * T, n_heads * D});
+  return layer_end(h, a, o, o_bits, ln2, eps, gate_up, gu_bits, down, down_bits).view({B, T, H});
 }
 
 // Outputs a group of the packed layout holds on this CPU.
