@@ -2,7 +2,7 @@
 
 Dequantising a GGUF to bf16 or float32 makes every token stream 3-6x the bytes of the file itself.
 Here the linear layers keep the file's blocks and multiply with them directly
-(``csrc/quant_linear.cpp``): activations, norms, attention and the KV cache stay float32.
+(``csrc/quantized.cpp``): activations, norms, attention and the KV cache stay float32.
 
 One layout serves the formats: blocks of 32 inputs, w = scale * q + min with a float32 scale and
 min per block, 4-bit codes (two to a byte) or 8-bit ones. Q4_0, Q4_1, Q4_K and Q8_0 map onto it
@@ -11,9 +11,11 @@ Q4_0's offset of 8 becomes min = -8 * scale), so the weights the kernel multipli
 dequantised model's, bit for bit: ``read`` proves it per tensor against the model loaded from the
 same file, and a tensor that does not match (or of another format: Q5, Q6_K) stays dense.
 
-The kernel gives each row the same bits at any width by construction (each output's weights are
-dequantized once per call; every row takes its dot product with them in fixed lanes and a fixed
-order): the fast path checks it per machine like any other matmul (``invariant.linear_rows``).
+The kernels give each row the same bits at any width by construction (a block's weights are
+dequantized in registers, one rounding each; every row takes its dot product with them in fixed
+lanes and a fixed order; norms, rotary and SiLU work a row at a time): the fast path checks the LM
+head per machine like any other matmul (``invariant.linear_rows``) and the whole forward at the
+first request (``FastLlama.proves_invariance``).
 """
 from __future__ import annotations
 
@@ -94,8 +96,9 @@ class QuantWeight:
 
 @functools.cache
 def kernels():
-    """The compiled kernels (``csrc/quantized.cpp``: quant_linear, layer_start, layer_end, norm), or
-    None (no compiler, or $SPECULANT_QUANTIZED_KERNEL=torch)."""
+    """The compiled kernels (``csrc/quantized.cpp``: quant_linear; layer, a decoder layer in one call;
+    layer_start and layer_end around attention in PyTorch ops; norm), or None (no compiler, or
+    $SPECULANT_QUANTIZED_KERNEL=torch)."""
     if os.environ.get(ENV, "auto") == "torch":
         return None
     # -ffp-contract=fast: each multiply-add one FMA (the same instruction for every row)

@@ -1,5 +1,5 @@
-// The quantized fast path's CPU kernels: linear layers over GGUF blocks, and the rest of a decoder
-// layer around attention (norms, rotary, SiLU, residuals) in two calls a layer.
+// The quantized fast path's CPU kernels: linear layers over GGUF blocks, and a whole decoder layer
+// in one call (norms, rotary, cache writes, attention, SiLU, residuals), or in two around attention.
 //
 // A weight [N, K] is kept as GGUF keeps it: blocks of 32 inputs, each w = scale * q + min with a
 // float32 scale and min per block and 4-bit (two to a byte: byte i holds inputs i and 16 + i) or
