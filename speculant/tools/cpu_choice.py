@@ -39,6 +39,7 @@ from ..models.fast import supports
 from ..models.loading import _LOADED, cache_dir, load_model, resolve_model_folder, resolve_model_path
 
 CANDIDATES = ("float32", "bfloat16", "quantized")  # quantized: for a .gguf target only (see candidates)
+CHOICE_VERSION = 2  # in the cache key: choices made before quantized weights were a candidate are made again
 # a request of the usual shape: some context (its prefill counts: on AVX2 a bf16 prefill costs ~6x a
 # float32 one, 12 against 2 ms a token for the default model) and a question about it
 PROMPT = (
@@ -93,7 +94,7 @@ def _read_cache() -> dict:
 def choose(spec: str, drafter: str | None = "none", log=None) -> Choice:
     """The cached choice for this machine, model and drafter (a spec string; None: the target's
     default drafter), or a new measurement (seconds, once)."""
-    raw = f"{machine_key()}||{_model_key(spec)}||{_drafter_key(drafter)}"
+    raw = f"{machine_key()}||{_model_key(spec)}||{_drafter_key(drafter)}||{CHOICE_VERSION}"
     key = hashlib.sha256(raw.encode()).hexdigest()[:20]
     entry = _read_cache().get(key)
     if entry and entry.get("dtype") in CANDIDATES:
