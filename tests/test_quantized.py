@@ -9,6 +9,8 @@
   drafter, and plain decoding agrees with HF ``generate`` on the dequantised model but for
   near-ties (shown with their logit gap).
 """
+import platform
+
 import numpy as np
 import pytest
 import torch
@@ -22,6 +24,20 @@ from speculant.models.quantized import QuantLinear, QuantWeight
 from helpers import hf_greedy, mismatch_report, save_tiny_folder, tiny_llama
 
 needs_kernel = pytest.mark.skipif(quantized.kernels() is None, reason="no C++ compiler for the CPU kernels")
+# the kernel's ISA branches, each built on any x86 CPU: AVX-512 where the CPU has it (-march=native),
+# AVX2 (-mno-avx512f) and plain vector code (-mno-avx2 too), so no branch passes only on this CPU
+ISA = {"native": (), "avx2": ("-mno-avx512f",), "generic": ("-mno-avx512f", "-mno-avx2")}
+
+
+@pytest.fixture(params=sorted(ISA))
+def isa_kernels(request, monkeypatch):
+    if request.param != "native" and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("ISA flags for x86 only")
+    module = quantized.build(ISA[request.param])
+    if module is None:
+        pytest.skip("no C++ compiler for the CPU kernels")
+    monkeypatch.setattr(quantized, "kernels", lambda: module)
+    return module
 GGML = __import__("gguf").GGMLQuantizationType
 BLOCK_BYTES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144)}
 
@@ -50,7 +66,7 @@ def test_gguf_formats_map_exactly(kind):
 @needs_kernel
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("out_features,in_features,bias", [(96, 64, False), (150, 544, True), (13, 32, False)])
-def test_linear_kernel_width_invariant_and_right(bits, out_features, in_features, bias):
+def test_linear_kernel_width_invariant_and_right(isa_kernels, bits, out_features, in_features, bias):
     g = torch.Generator().manual_seed(bits)
     w = QuantWeight.quantize(torch.randn(out_features, in_features, generator=g), bits)
     b = torch.randn(out_features, generator=g) if bias else None
@@ -65,10 +81,10 @@ def test_linear_kernel_width_invariant_and_right(bits, out_features, in_features
 
 
 @needs_kernel
-def test_layer_kernels_width_invariant_and_right():
+def test_layer_kernels_width_invariant_and_right(isa_kernels):
     """layer_start (norm, q/k/v, rotary), layer_end (o, residual, norm, gate/up, SiLU, down, residual)
     and the final norm against the same math in float64, and each row alone against any width."""
-    k = quantized.kernels()
+    k = isa_kernels
     g = torch.Generator().manual_seed(0)
     H, heads, kv, D, inter, eps = 64, 4, 2, 16, 128, 1e-5
     lin = {n: QuantLinear(QuantWeight.quantize(torch.randn(o, i, generator=g) * 0.2, bits))

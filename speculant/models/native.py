@@ -27,9 +27,10 @@ def build(stem: str, functions: tuple[str, ...], what: str, flags: tuple[str, ..
         from torch.utils import cpp_extension  # a fifth of a second to import: only to build a kernel
 
         source = (CSRC / f"{stem}.cpp").read_text()
-        headers = "".join(h.read_text() for h in sorted(CSRC.glob("*.h")))  # included: a change rebuilds
+        # every file of csrc/ may be included (quantized.cpp includes attention.cpp): a change rebuilds
+        others = "".join(f.read_text() for f in sorted(CSRC.iterdir()) if f.suffix in (".cpp", ".h"))
         all_flags = list(FLAGS + flags)
-        tag = hashlib.sha256((source + headers + " ".join(all_flags) + cpu_key()).encode()).hexdigest()[:12]
+        tag = hashlib.sha256((source + others + " ".join(all_flags) + cpu_key()).encode()).hexdigest()[:12]
         name = f"speculant_{stem}_{tag}"
         if not list(Path(cpp_extension.get_default_build_root()).glob(f"*/{name}/{name}.so")):
             print(f"speculant: building {what} for this machine (once, about a minute)", file=sys.stderr, flush=True)

@@ -101,9 +101,15 @@ def kernels():
     $SPECULANT_QUANTIZED_KERNEL=torch)."""
     if os.environ.get(ENV, "auto") == "torch":
         return None
+    return build()
+
+
+def build(isa: tuple[str, ...] = ()):
+    """The kernels built for this CPU, or with ``isa`` flags on top (``-mno-avx512f``: the AVX2 branch,
+    which the tests build on any x86 CPU)."""
     # -ffp-contract=fast: each multiply-add one FMA (the same instruction for every row)
     return native.build("quantized", ("quant_linear", "layer_start", "layer_end", "layer", "norm", "group_size"),
-                        "the CPU quantized-weight kernels", ("-ffp-contract=fast",))
+                        "the CPU quantized-weight kernels", ("-ffp-contract=fast",) + isa)
 
 
 class QuantLinear:

@@ -17,8 +17,8 @@
 
 #include "vector.h"
 
-// the attention kernel itself, built as attention.cpp builds it (every operation a plain IEEE one), so
-// a layer in one call (``layer``) attends with the very bits of the standalone kernel
+// the attention kernel itself, built without contraction as attention.cpp is (every operation a plain
+// IEEE one), for a layer in one call (``layer``)
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 #include "attention.cpp"
@@ -236,7 +236,7 @@ at::Tensor rows_of_float(const at::Tensor& t, int64_t width) {
 
 }  // namespace
 
-// x: float32 [M, K]; w: (codes, scale, min, bias). Returns float32 [M, N].
+// x: float32 [M, K]; w: (packed weight, bias). Returns float32 [M, N].
 at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& w, int64_t bits) {
   TORCH_CHECK(x.dim() == 2, "x: [M, K]");
   const int64_t M = x.size(0), K = x.size(1);
@@ -317,9 +317,9 @@ at::Tensor layer(const at::Tensor& h, const at::Tensor& ln1, double eps, const s
   const int64_t B = h.size(0), T = h.size(1), H = h.size(2), heads = n_heads + 2 * n_kv;
   TORCH_CHECK(h.dim() == 3 && k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat &&
                   k_cache.dim() == 4 && k_cache.size(0) == B && k_cache.size(1) == n_kv && k_cache.size(3) == D &&
-                  v_cache.sizes() == k_cache.sizes() && write_at.scalar_type() == at::kLong && write_at.size(0) == B &&
-                  write_at.size(1) == T,
-              "layer: caches float32 [B, n_kv, S, D], write_at [B, T]");
+                  v_cache.sizes() == k_cache.sizes() && k_cache.stride(3) == 1 && v_cache.stride(3) == 1 &&
+                  write_at.scalar_type() == at::kLong && write_at.size(0) == B && write_at.size(1) == T,
+              "layer: caches float32 [B, n_kv, S, D] contiguous along D, write_at [B, T]");
   at::Tensor y = layer_start(h, ln1, eps, qkv, qkv_bits, cos, sin, n_heads + n_kv, D).view({B, T, heads, D});
   const auto wa = write_at.accessor<int64_t, 2>();
   const float* yp = y.data_ptr<float>();
@@ -336,7 +336,6 @@ at::Tensor layer(const at::Tensor& h, const at::Tensor& ln1, double eps, const s
                     D * sizeof(float));
       }
     }
-  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "layer: caches contiguous along D");
   at::Tensor a = attend(y.narrow(2, 0, n_heads).transpose(1, 2), k_cache, v_cache, slots, count, scale);
   a = a.transpose(1, 2).contiguous().view({B * T, n_heads * D});
   return layer_end(h, a, o, o_bits, ln2, eps, gate_up, gu_bits, down, down_bits).view({B, T, H});
