@@ -37,6 +37,18 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+def greedy_texts(model, n: int, answer_tokens: int, seed: int = 2) -> list[tuple[torch.Tensor, int]]:
+    """``n`` texts for training files: a random prompt of 4-6 ids and the model's greedy answer, as
+    (uint16 ids, prompt length) pairs (tools/texts.py's format)."""
+    g = torch.Generator().manual_seed(seed)
+    texts = []
+    for i in range(n):
+        prompt = torch.randint(2, 96, (4 + i % 3,), generator=g).tolist()
+        ids = torch.tensor(prompt + hf_greedy(model, prompt, answer_tokens), dtype=torch.int32).to(torch.uint16)
+        texts.append((ids, len(prompt)))
+    return texts
+
+
 def mismatch_report(model, prompt: list[int], ref: list[int], got: list[int]) -> str:
     """Where two greedy outputs diverge, and the target's logit gap there (a float near-tie?)."""
     k = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 import speculant
 from speculant.drafters.eagle import load_eagle
 from speculant.tools.texts import load_texts, save_texts
-from helpers import hf_greedy, save_tiny_folder
+from helpers import greedy_texts, hf_greedy, save_tiny_folder
 from test_eagle import _random_eagle_folder
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_eagle.py"
@@ -61,12 +61,7 @@ def test_distill_writes_the_targets_greedy_answers(tmp_path, monkeypatch, tiny):
 def test_train_and_join_give_a_drafter_that_keeps_greedy_output(tmp_path, monkeypatch, tiny):
     folder, model = tiny
     config = _random_eagle_folder(tmp_path, model, draft_vocab=48, name="start")
-    g = torch.Generator().manual_seed(2)
-    texts = []
-    for i in range(12):
-        prompt = torch.randint(2, 96, (4 + i % 3,), generator=g).tolist()
-        texts.append((torch.tensor(prompt + hf_greedy(model, prompt, 20), dtype=torch.int32).to(torch.uint16),
-                      len(prompt)))
+    texts = greedy_texts(model, 12, 20)
     save_texts(texts, tmp_path / "texts.pt")
     out = tmp_path / "trained"
     _run(monkeypatch, "train", "--target", folder, "--device", "cpu", "--dtype", "float32", "--data",

@@ -15,7 +15,7 @@ from speculant.tools.texts import save_texts
 from speculant.tools.train_batched import BatchedSettings, join, run_batched
 from speculant.trained.dflash import DFlashNet, DFlashTrainer, dflash_config
 from speculant.trained.medusa import MedusaNet, MedusaTrainer, medusa_config
-from helpers import hf_greedy, save_tiny_folder, tiny_llama
+from helpers import greedy_texts, hf_greedy, save_tiny_folder, tiny_llama
 from test_dflash import _random_drafter_folder
 from test_eagle import _features
 from test_medusa import _random_medusa_folder
@@ -68,12 +68,7 @@ def test_batched_training_continues_a_folder_into_a_lossless_drafter(tmp_path, k
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     start = (_random_drafter_folder(tmp_path, model, draft_vocab=48) if kind == "dflash"
              else _random_medusa_folder(tmp_path, model, draft_vocab=48))
-    g = torch.Generator().manual_seed(2)
-    texts = []
-    for i in range(10):
-        prompt = torch.randint(2, 96, (4 + i % 3,), generator=g).tolist()
-        texts.append((torch.tensor(prompt + hf_greedy(model, prompt, 16), dtype=torch.int32).to(torch.uint16),
-                      len(prompt)))
+    texts = greedy_texts(model, 10, 16)
     save_texts(texts, tmp_path / "texts.pt")
     out = tmp_path / "trained"
     log = run_batched(BatchedSettings(data=[str(tmp_path / "texts.pt")], config=str(start), init=str(start),
