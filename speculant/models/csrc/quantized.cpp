@@ -111,6 +111,18 @@ inline void weights_of(const Weights& w, int64_t n, int64_t b, vf& lo, vf& hi) {
   float scale, min;
   std::memcpy(&scale, r, 4);
   std::memcpy(&min, r + 4, 4);
+#if defined(__AVX512F__)
+  if constexpr (BITS == 4) {  // the 16 values a code can take, one FMA; each code looks its value up
+    const __m512 table = _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_ps(scale), _mm512_set1_ps(min));
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 8)));
+    const __m512 a = _mm512_permutexvar_ps(bytes, table);  // the index's low 4 bits: the low nibble
+    const __m512 c = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+    std::memcpy(&lo, &a, sizeof lo);
+    std::memcpy(&hi, &c, sizeof hi);
+    return;
+  }
+#endif
   codes<BITS>(r + 8, lo, hi);
   const vf s = (vf){} + scale, m = (vf){} + min;
   lo = lo * s + m;
