@@ -78,7 +78,7 @@ def _kind_help(default: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    drafter_help = f"{DRAFTER_HELP}; default: the trained drafter shipped for the target (a tree drafter +ngram), else ngram"
+    drafter_help = f"{DRAFTER_HELP}; default: the trained drafter shipped for the target (a tree drafter +ngram), else ngram (ngram also beside --dtype quantized)"
 
     parser = _Parser(prog="speculant", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import speculant
-from speculant.drafters import default_drafter, make_drafter
+from speculant.drafters import default_drafter, make_drafter, shipped_drafter
 from speculant.errors import SpeculantError
 from speculant.models import quantized
 from speculant.models.loading import LoadedModel, load_model
@@ -227,6 +227,8 @@ def test_default_gguf_is_read_exactly(quantized_default):
     assert {w.source for w in weights.values()} == {"Q4_1", "Q8_0"} and weights["lm_head"].source == "Q8_0"
     gen = speculant.Generator(quantized_default, make_drafter("none", quantized_default))
     assert gen.backend.info()["cpu_kernels"] == "quantized (Q4_1 x210, Q8_0 x1)"
+    # its shipped EAGLE head costs more than a quantized pass: prompt lookup is the default beside it
+    assert shipped_drafter(quantized_default).endswith("+ngram") and default_drafter(quantized_default) == "ngram"
 
 
 PROMPTS = ["Write a haiku about rivers", "What is 17 times 23? Explain step by step.",
@@ -235,12 +237,12 @@ PROMPTS = ["Write a haiku about rivers", "What is 17 times 23? Explain step by s
 
 @needs_kernel
 @pytest.mark.slow
-@pytest.mark.parametrize("drafter,gamma", [("default", 3), ("default", "auto"), ("ngram", 4), ("layerskip", 3),
+@pytest.mark.parametrize("drafter,gamma", [("shipped", 3), ("shipped", "auto"), ("ngram", 4), ("layerskip", 3),
                                            ("suffix", "auto")])
 def test_default_quantized_speculative_equals_plain(quantized_default, drafter, gamma):
     plain = speculant.Generator(quantized_default, make_drafter("none", quantized_default))
     assert plain.backend.info()["exact"] == "bitwise"
-    d = default_drafter(quantized_default) if drafter == "default" else drafter
+    d = shipped_drafter(quantized_default) if drafter == "shipped" else drafter
     spec = speculant.Generator(quantized_default, make_drafter(d, quantized_default), gamma=gamma)
     ids = [plain.encode(p) for p in PROMPTS]
     want = [plain.generate_ids([i], max_new_tokens=32)[0].token_ids for i in ids]
@@ -248,3 +250,21 @@ def test_default_quantized_speculative_equals_plain(quantized_default, drafter, 
     assert got == want
     if gamma != "auto":  # auto may rightly switch a drafter off beside so cheap a target pass
         assert spec.generate_ids([ids[0]], max_new_tokens=32)[0].stats["accepted_draft_tokens"] > 0
+
+
+def test_a_killed_builds_lock_is_cleared_and_a_live_ones_kept(tmp_path, capsys):
+    """PyTorch's build lock outlives a build killed midway, and the next build would wait forever."""
+    import os
+    import time
+
+    from speculant.models import native
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    native._clear_stale_lock(tmp_path)
+    assert lock.exists()  # a build under way
+    old = time.time() - native.STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    native._clear_stale_lock(tmp_path)
+    assert not lock.exists() and "stale build lock" in capsys.readouterr().err
+    native._clear_stale_lock(tmp_path)  # none: nothing to do

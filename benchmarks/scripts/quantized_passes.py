@@ -1,6 +1,8 @@
 """One pass of the default target on the CPU fast path, quantized weights beside bf16 and float32,
 side by side in one process: ms per pass at widths 1-16 (a one-token step, verify blocks), best of
-``--rounds`` x 10 after a warm-up, a 45-token context. Saves JSON and a plot.
+``--rounds`` x 10 after a warm-up, a 45-token context. And each quantized linear kernel of the
+model alone (a layer's q/k/v, o, gate/up and down, the LM head) at the same widths, its weights hot
+in the caches: µs and multiply-adds a second. Saves JSON and a plot.
 
     python benchmarks/scripts/quantized_passes.py --out benchmarks/results/NAME
 """
@@ -41,7 +43,68 @@ def passes(dtype: str, rounds: int) -> dict:
                 step(w)
             best = min(best, (time.perf_counter() - t) / 10 * 1e3)
         out[w] = round(best, 2)
-    return {"kernels": fast.kernels, "ms_per_pass": out}
+    result = {"kernels": fast.kernels, "ms_per_pass": out}
+    if dtype == "quantized":
+        result["linear_kernels"] = linear_kernels(fast, rounds)
+        result["one_token_step_ms"] = step_parts(fast, step)
+    return result
+
+
+def step_parts(fast: FastLlama, step) -> dict:
+    """Where a one-token step's time goes: the 30 decoder-layer calls (weights streamed from memory,
+    attention, the glue), the LM head, and the rest (embedding, rotary tables, key layout, the final
+    norm, Python), mean of 50 steps."""
+    parts = {"decoder layers": 0.0, "lm head": 0.0}
+    mm = fast.pass_set
+    layer_fn, head = mm.layer_fn, mm.head
+
+    def timed(fn, part):
+        def run(*a):
+            t = time.perf_counter()
+            out = fn(*a)
+            parts[part] += time.perf_counter() - t
+            return out
+        return run
+
+    mm.layer_fn, mm.head = timed(layer_fn, "decoder layers"), timed(head, "lm head")
+    try:
+        for _ in range(5):
+            step(1)
+        parts.update({"decoder layers": 0.0, "lm head": 0.0})
+        t = time.perf_counter()
+        for _ in range(50):
+            step(1)
+        total = (time.perf_counter() - t) / 50
+    finally:
+        mm.layer_fn, mm.head = layer_fn, head
+    out = {k: round(v / 50 * 1e3, 2) for k, v in parts.items()}
+    out["rest"] = round(total * 1e3 - sum(out.values()), 2)
+    out["total"] = round(total * 1e3, 2)
+    return out
+
+
+def linear_kernels(fast: FastLlama, rounds: int) -> dict:
+    """Each quantized linear alone, hot in the caches: µs per call by width, and GMAC/s."""
+    q = fast.pass_set.layers[0]["quantized"]
+    linears = {"qkv": q["qkv"], "o": q["o"], "gate_up": q["gateup"], "down": q["down"],
+               "lm_head": fast.pass_set.head.fn}
+    out = {}
+    for name, lin in linears.items():
+        row = {"shape": [lin.out_features, lin.in_features], "format_bits": lin.weight.bits}
+        for w in WIDTHS:
+            x = torch.randn(w, lin.in_features)
+            reps = 10 if name == "lm_head" else 100
+            for _ in range(3):
+                lin(x)
+            best = float("inf")
+            for _ in range(rounds):
+                t = time.perf_counter()
+                for _ in range(reps):
+                    lin(x)
+                best = min(best, (time.perf_counter() - t) / reps)
+            row[w] = {"us": round(best * 1e6, 1), "gmac_per_s": round(lin.out_features * lin.in_features * w / best / 1e9, 1)}
+        out[name] = row
+    return out
 
 
 def main() -> None:
@@ -55,6 +118,10 @@ def main() -> None:
     results["threads"] = torch.get_num_threads()
     for d in ("quantized", "bfloat16", "float32"):
         print(f"{d:10s} {results[d]['kernels']:40s} " + "  ".join(f"{w}: {ms:.1f}" for w, ms in results[d]["ms_per_pass"].items()))
+    print("  one-token step, ms: " + ", ".join(f"{k} {v}" for k, v in results["quantized"]["one_token_step_ms"].items()))
+    for name, row in results["quantized"]["linear_kernels"].items():
+        print(f"  {name:8s} {str(row['shape']):13s} " + "  ".join(f"{w}: {row[w]['us']:.0f} us ({row[w]['gmac_per_s']:.0f} GMAC/s)"
+                                                                  for w in WIDTHS))
     (out / "passes.json").write_text(json.dumps(results, indent=1))
     import matplotlib
 

@@ -48,6 +48,7 @@ class LlamaCpp:
 
     def generate(self, ids: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
         out: list[int] = []
+        self.llm.reset()  # generate() would reuse the cache of a prompt sharing a prefix with the last one
         for tok in self.llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
             out.append(int(tok))
             if tok in eos or len(out) >= max_new_tokens:

@@ -10,7 +10,7 @@ from .model import ModelDrafter, check_same_tokenizer, same_vocabulary
 from .ngram import NgramDrafter
 from .none import NoDrafter
 from .registry import (DRAFTER_HELP, HYBRID, KINDS, TRAINED_KINDS, DrafterSpec, check_spec, default_drafter,
-                       load_trained, make_drafter, parse_spec, validate_drafter_spec)
+                       load_trained, make_drafter, parse_spec, shipped_drafter, validate_drafter_spec)
 from .suffix import SuffixDrafter
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "SuffixDrafter",
     "make_drafter",
     "default_drafter",
+    "shipped_drafter",
     "check_same_tokenizer",
     "same_vocabulary",
     "validate_drafter_spec",

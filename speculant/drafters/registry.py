@@ -232,14 +232,25 @@ def make_drafter(spec, target: LoadedModel, device=None, dtype=None) -> Drafter:
     return build(check_spec(spec), target, device, dtype)
 
 
-def default_drafter(target: LoadedModel) -> str:
-    """The drafter a target gets when none is named: the trained one shipped for it (it ships only
-    where it measured faster than the model-free ones), a tree drafter merged with prompt lookup
-    (faster still: it wins where the answer copies its context), else ngram."""
+def shipped_drafter(target: LoadedModel) -> str | None:
+    """The trained drafter shipped for this target as a spec, a tree drafter merged with prompt
+    lookup (faster still: it wins where the answer copies its context); None where none ships."""
     folder = shipped_for(target.model)
     if folder is None:
-        return "ngram"
+        return None
     return f"trained:{folder}" + (HYBRID if read_trained(folder)[0].trees else "")
+
+
+def default_drafter(target: LoadedModel) -> str:
+    """The drafter a target gets when none is named: the trained one shipped for it (it ships only
+    where it measured faster than the model-free ones), else ngram. Beside quantized weights on the
+    CPU (``dtype="quantized"``) it is ngram too: a target pass there (~6 ms) costs less than the
+    trained head's (~8 ms), so it never pays and γ auto switches it off, where prompt lookup still
+    wins on repeating text (docs/fast-path.md)."""
+    shipped = shipped_drafter(target)
+    if shipped is None or getattr(target.model, "speculant_quantized", None):
+        return "ngram"
+    return shipped
 
 
 def vllm_config(text: str, fixed: int | None = None) -> dict:

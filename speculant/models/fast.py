@@ -138,6 +138,10 @@ def decoder_layer(h, cos, sin, attend, idx, k_cache, v_cache, w: dict, n_heads: 
 
 
 _NO_SLOTS = torch.empty(0, 0, 0, dtype=torch.long)
+# prompts up to this many tokens prefill through the quantized kernels: 25 tokens in 44 ms against
+# the dense float32 matmuls' 87, 72 in 115 against 143, level at ~140, slower beyond (600: 1.33 s
+# against 0.91; a 2-core Zen 4, benchmarks/results/cpu-AVX512BF16-2026-11-26-quantized-roofline)
+QUANTIZED_PREFILL_MAX = 128
 
 
 class PassAttention:
@@ -161,7 +165,8 @@ def quantized_layer(h, cos, sin, attend, idx, k_cache, v_cache, w: dict, n_heads
     construction): ~45 PyTorch ops a layer, most of a one-token step's overhead, become one."""
     B, T, H = h.shape
     k = quantized.kernels()
-    qkv, gate_up, o, down = w["quantized"]
+    q = w["quantized"]
+    qkv, gate_up, o, down = q["qkv"], q["gateup"], q["o"], q["down"]
     if getattr(attend, "kernel", False):  # the compiled attention: the whole layer in one call
         lay = attend.layout
         return k.layer(h, w["ln1"], eps, qkv.args, qkv.weight.bits, cos, sin, n_heads, n_kv, head_dim, k_cache, v_cache,
@@ -305,7 +310,7 @@ class FastLlama:
                     bias = None if all(b is None for b in biases) else torch.cat(
                         [b if b is not None else w[n].new_zeros(w[n].shape[0]) for n, b in zip(group, biases)])
                     w["".join(group) + "_packed"] = QuantLinear(QuantWeight.stacked(parts), bias)
-                    w.setdefault("quantized", []).append(w["".join(group) + "_packed"])
+                    w.setdefault("quantized", {})["".join(group)] = w["".join(group) + "_packed"]  # unwindowed
                 else:  # F.linear over the dense weights, windowed like the rest
                     dense += len(group)
                     for n in group:
@@ -357,9 +362,14 @@ class FastLlama:
 
     def prefill(self, tokens, keys, values, last_only: bool = False, taps: tuple = ()):
         """One prompt [1, n] from position 0 into a cache row (views [1, ...]): HF's own computation
-        (causal SDPA over the prompt, HF's F.linear), whatever other rows the cache holds."""
+        (causal SDPA over the prompt, HF's F.linear), whatever other rows the cache holds. Over
+        quantized weights a prompt of up to ``QUANTIZED_PREFILL_MAX`` tokens runs as one block of the
+        passes' kernels instead (float32 too, each row alone: its cache is the one one-token steps
+        would write), where they are faster than the dense float32 matmuls."""
         n = tokens.shape[1]
         positions = torch.arange(n, device=tokens.device)[None]
+        if n <= QUANTIZED_PREFILL_MAX and self.pass_set.layer_fn is quantized_layer:
+            return self.forward(tokens, positions, positions, keys, values, last_only, taps=taps)
         idx = (torch.zeros_like(positions), positions)
         keys, values = [k[:, :, :n] for k in keys], [v[:, :, :n] for v in values]
         return self._body(tokens, positions, idx, keys, values, None, last_only, self.prefill_set, None, taps)

@@ -10,13 +10,28 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import sys
+import time
 from pathlib import Path
 
 from .cpu_kernels import cpu_key
 
 FLAGS = ("-O3", "-march=native", "-fopenmp")
 CSRC = Path(__file__).parent / "csrc"
+STALE_LOCK_S = 600  # a build takes about a minute: a lock older than this is a killed build's
+
+
+def _clear_stale_lock(folder: Path) -> None:
+    """PyTorch's build lock outlives a process killed mid-build, and the next build would wait on it
+    forever: one older than any build takes is removed."""
+    lock = folder / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
+            print(f"speculant: removed a stale build lock ({lock})", file=sys.stderr, flush=True)
+    except FileNotFoundError:
+        pass
 
 
 @functools.cache
@@ -32,7 +47,12 @@ def build(stem: str, functions: tuple[str, ...], what: str, flags: tuple[str, ..
         all_flags = list(FLAGS + flags)
         tag = hashlib.sha256((source + others + " ".join(all_flags) + cpu_key()).encode()).hexdigest()[:12]
         name = f"speculant_{stem}_{tag}"
-        if not list(Path(cpp_extension.get_default_build_root()).glob(f"*/{name}/{name}.so")):
+        # PyTorch builds in $TORCH_EXTENSIONS_DIR/<name>, else in <default root>/<python, cuda>/<name>
+        root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+        folders = [*root.glob(name), *root.glob(f"*/{name}")]
+        for folder in folders:
+            _clear_stale_lock(folder)
+        if not any((folder / f"{name}.so").exists() for folder in folders):
             print(f"speculant: building {what} for this machine (once, about a minute)", file=sys.stderr, flush=True)
         return cpp_extension.load_inline(name, [source], functions=list(functions), extra_cflags=all_flags,
                                          extra_ldflags=["-fopenmp"], extra_include_paths=[str(CSRC)],
