@@ -268,3 +268,26 @@ def test_a_killed_builds_lock_is_cleared_and_a_live_ones_kept(tmp_path, capsys):
     native._clear_stale_lock(tmp_path)
     assert not lock.exists() and "stale build lock" in capsys.readouterr().err
     native._clear_stale_lock(tmp_path)  # none: nothing to do
+
+
+@needs_kernel
+def test_a_short_prompt_prefills_through_the_pass_kernels(monkeypatch):
+    """A prompt of up to QUANTIZED_PREFILL_MAX tokens runs as one block of the passes' kernels: its
+    logits and cache are those of feeding it one token at a time; a longer one runs HF's computation."""
+    from speculant.models import fast as fast_module
+
+    model = _quantized_tiny(seed=4)
+    fast = fast_module.FastLlama(model)
+    toks = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        keys, values = fast.new_cache(1, 64)
+        block = fast.prefill(toks, keys, values)
+        k1, v1 = fast.new_cache(1, 64)
+        steps = torch.cat([fast.forward(toks[:, i : i + 1], torch.tensor([[i]]), torch.tensor([[i]]), k1, v1)
+                           for i in range(20)], 1)
+        assert torch.equal(block, steps)
+        assert all(torch.equal(a, b) for a, b in zip(keys + values, k1 + v1))
+        monkeypatch.setattr(fast_module, "QUANTIZED_PREFILL_MAX", 10)
+        long = fast.prefill(toks, *fast.new_cache(1, 64))
+        assert not torch.equal(long, block)  # another computation: the dense weights, HF's matmuls
+        torch.testing.assert_close(long, model(toks).logits, rtol=1e-4, atol=1e-4)
