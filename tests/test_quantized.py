@@ -83,6 +83,28 @@ def test_linear_kernel_width_invariant_and_right(isa_kernels, bits, out_features
 
 
 @needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+def test_every_isa_branch_gives_the_same_bits(monkeypatch, bits):
+    """The AVX-512 branch (a 4-bit block dequantized by a lookup), the AVX2 one and plain vector code
+    compute each row by the same operations in the same order: the same bits, so the lookup is the
+    dequantised weights' very values and a machine's ISA does not change a text."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("ISA flags for x86 only")
+    g = torch.Generator().manual_seed(11)
+    w = QuantWeight.quantize(torch.randn(150, 544, generator=g), bits)
+    x = torch.randn(9, 544, generator=g)
+    outs = {}
+    for name, flags in ISA.items():
+        module = quantized.build(flags)
+        if module is None:
+            pytest.skip("no C++ compiler for the CPU kernels")
+        monkeypatch.setattr(quantized, "kernels", lambda: module)
+        outs[name] = QuantLinear(w)(x)
+    assert all(torch.equal(out, outs["native"]) for out in outs.values()), {n: float((o - outs["native"]).abs().max())
+                                                                         for n, o in outs.items()}
+
+
+@needs_kernel
 def test_layer_kernels_width_invariant_and_right(isa_kernels):
     """layer_start (norm, q/k/v, rotary), layer_end (o, residual, norm, gate/up, SiLU, down, residual)
     and the final norm against the same math in float64, and each row alone against any width."""
@@ -259,12 +281,14 @@ def test_a_killed_builds_lock_is_cleared_and_a_live_ones_kept(tmp_path, capsys):
 
     from speculant.models import native
 
-    lock = tmp_path / "lock"
+    lock, log = tmp_path / "lock", tmp_path / ".ninja_log"
     lock.touch()
-    native._clear_stale_lock(tmp_path)
-    assert lock.exists()  # a build under way
+    log.touch()
     old = time.time() - native.STALE_LOCK_S - 5
     os.utime(lock, (old, old))
+    native._clear_stale_lock(tmp_path)
+    assert lock.exists()  # an old lock, but the build is still writing files: under way
+    os.utime(log, (old, old))
     native._clear_stale_lock(tmp_path)
     assert not lock.exists() and "stale build lock" in capsys.readouterr().err
     native._clear_stale_lock(tmp_path)  # none: nothing to do

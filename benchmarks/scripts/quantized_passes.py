@@ -2,7 +2,9 @@
 side by side in one process: ms per pass at widths 1-16 (a one-token step, verify blocks), best of
 ``--rounds`` x 10 after a warm-up, a 45-token context. And each quantized linear kernel of the
 model alone (a layer's q/k/v, o, gate/up and down, the LM head) at the same widths, its weights hot
-in the caches: µs and multiply-adds a second. Saves JSON and a plot.
+in the caches: µs and multiply-adds a second. And a prompt's prefill through those kernels beside
+HF's dense float32 computation, by prompt length (where ``QUANTIZED_PREFILL_MAX`` comes from).
+Saves JSON and a plot.
 
     python benchmarks/scripts/quantized_passes.py --out benchmarks/results/NAME
 """
@@ -47,7 +49,33 @@ def passes(dtype: str, rounds: int) -> dict:
     if dtype == "quantized":
         result["linear_kernels"] = linear_kernels(fast, rounds)
         result["one_token_step_ms"] = step_parts(fast, step)
+        result["prefill_ms"] = prefills(fast)
     return result
+
+
+def prefills(fast: FastLlama) -> dict:
+    """A prompt's prefill (last position's logits) by length: as one block of the passes' quantized
+    kernels, and HF's dense float32 computation; best of 3."""
+    out = {}
+    for n in (25, 72, 128, 150, 300, 600):
+        tokens = torch.randint(1000, (1, n), generator=torch.Generator().manual_seed(n))
+        at = torch.arange(n)[None]
+        ways = {"quantized kernels": lambda k, v: fast.forward(tokens, at, at, k, v, last_only=True),
+                "hf dense float32": lambda k, v: fast._body(tokens, at, (torch.zeros_like(at), at),
+                                                            [c[:, :, :n] for c in k], [c[:, :, :n] for c in v], None,
+                                                            True, fast.prefill_set)}
+        row = {}
+        for name, run in ways.items():
+            run(*fast.new_cache(1, 1024))
+            best = float("inf")
+            for _ in range(3):
+                keys, values = fast.new_cache(1, 1024)
+                t = time.perf_counter()
+                run(keys, values)
+                best = min(best, time.perf_counter() - t)
+            row[name] = round(best * 1e3, 1)
+        out[n] = row
+    return out
 
 
 def step_parts(fast: FastLlama, step) -> dict:
@@ -119,6 +147,8 @@ def main() -> None:
     for d in ("quantized", "bfloat16", "float32"):
         print(f"{d:10s} {results[d]['kernels']:40s} " + "  ".join(f"{w}: {ms:.1f}" for w, ms in results[d]["ms_per_pass"].items()))
     print("  one-token step, ms: " + ", ".join(f"{k} {v}" for k, v in results["quantized"]["one_token_step_ms"].items()))
+    print("  prefill, ms: " + ", ".join(f"{n} tokens {r['quantized kernels']} vs {r['hf dense float32']}"
+                                        for n, r in results["quantized"]["prefill_ms"].items()))
     for name, row in results["quantized"]["linear_kernels"].items():
         print(f"  {name:8s} {str(row['shape']):13s} " + "  ".join(f"{w}: {row[w]['us']:.0f} us ({row[w]['gmac_per_s']:.0f} GMAC/s)"
                                                                   for w in WIDTHS))

@@ -8,9 +8,10 @@ preallocated static KV cache with a length pointer per row (gpt-fast style).
   (γ+1)-token verification step can be captured as CUDA graphs (``torch.compile``,
   mode="reduce-overhead") or compiled for the CPU.
 - The math follows transformers' Llama modules (float32 RMSNorm statistics, rotary tables cast to
-  the activation dtype); the prefill is HF's own computation (SDPA, ``F.linear``), and every other
-  pass runs width-invariant kernels (``invariant``): a row gets the bits a one-token step gives
-  it in any block, tree or batch, so speculative text is plain decoding's bit for bit.
+  the activation dtype); the prefill is HF's own computation (SDPA, ``F.linear``; over quantized
+  weights a short prompt runs the passes' kernels instead), and every other pass runs
+  width-invariant kernels (``invariant``): a row gets the bits a one-token step gives it in any
+  block, tree or batch, so speculative text is plain decoding's bit for bit.
 
 Supported: model types whose decoder layer is Llama's (llama, mistral without sliding window,
 qwen2, smollm): see ``supports``. Anything else runs on the general path (``KVState``).
@@ -138,9 +139,9 @@ def decoder_layer(h, cos, sin, attend, idx, k_cache, v_cache, w: dict, n_heads: 
 
 
 _NO_SLOTS = torch.empty(0, 0, 0, dtype=torch.long)
-# prompts up to this many tokens prefill through the quantized kernels: 25 tokens in 44 ms against
-# the dense float32 matmuls' 87, 72 in 115 against 143, level at ~140, slower beyond (600: 1.33 s
-# against 0.91; a 2-core Zen 4, benchmarks/results/cpu-AVX512BF16-2026-11-26-quantized-roofline)
+# prompts up to this many tokens prefill through the quantized kernels, faster there than the dense
+# float32 matmuls (25 tokens: 58 against 133 ms, 128: 270 against 347) and slower from a few hundred
+# (600: 1.31 s against 1.09; a 2-core Zen 4, benchmarks/results/cpu-AVX512BF16-2026-11-26-quantized-roofline)
 QUANTIZED_PREFILL_MAX = 128
 
 
@@ -268,7 +269,8 @@ class FastLlama:
                                    "lm_head": self.invariance["linears"]}
         self._proven = None
         # the prefill runs HF's own F.linear calls and SDPA's causal kernel over each prompt alone, so
-        # plain decoding starts from the very cache HF's does, whatever else shares the batch
+        # plain decoding starts from the very cache HF's does, whatever else shares the batch (over
+        # quantized weights a short prompt runs the passes' kernels: see ``prefill``)
         self.prefill_set = _MatmulSet(plain, self.lm_head, decoder_layer)
 
     def _packed(self, plain: list[dict], compute: torch.dtype, hint: int):

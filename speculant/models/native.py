@@ -19,18 +19,22 @@ from .cpu_kernels import cpu_key
 
 FLAGS = ("-O3", "-march=native", "-fopenmp")
 CSRC = Path(__file__).parent / "csrc"
-STALE_LOCK_S = 600  # a build takes about a minute: a lock older than this is a killed build's
+STALE_LOCK_S = 600  # a build takes about a minute, writing files as it goes: ten quiet minutes is a killed one
 
 
 def _clear_stale_lock(folder: Path) -> None:
     """PyTorch's build lock outlives a process killed mid-build, and the next build would wait on it
-    forever: one older than any build takes is removed."""
+    forever: a lock in a folder where nothing (no object file, no ninja log) has been written for
+    longer than a build takes is removed."""
     lock = folder / "lock"
     try:
-        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+        if not lock.exists():
+            return
+        newest = max(f.stat().st_mtime for f in folder.iterdir())
+        if time.time() - newest > STALE_LOCK_S:
             lock.unlink()
             print(f"speculant: removed a stale build lock ({lock})", file=sys.stderr, flush=True)
-    except FileNotFoundError:
+    except OSError:  # gone meanwhile (a build finished), or not ours to remove: PyTorch waits or fails as it would
         pass
 
 
