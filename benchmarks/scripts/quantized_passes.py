@@ -17,10 +17,12 @@ from pathlib import Path
 
 import torch
 
+from speculant.models import fast as fast_module
 from speculant.models.fast import FastLlama
 from speculant.models.loading import load_model
 
 WIDTHS = (1, 2, 4, 8, 16)
+PREFILL_MAX = fast_module.QUANTIZED_PREFILL_MAX
 
 
 @torch.inference_mode()  # as the engine runs it (autograd on bf16 one-row matmuls costs seconds)
@@ -54,60 +56,27 @@ def passes(dtype: str, rounds: int) -> dict:
 
 
 def prefills(fast: FastLlama) -> dict:
-    """A prompt's prefill (last position's logits) by length: as one block of the passes' quantized
-    kernels, and HF's dense float32 computation; best of 3."""
+    """A prompt's prefill (last position's logits) by length through ``FastLlama.prefill``: as one block
+    of the passes' quantized kernels (every length let through), and HF's dense float32 computation
+    (none let through); best of 3."""
     out = {}
-    for n in (25, 72, 128, 150, 300, 600):
-        tokens = torch.randint(1000, (1, n), generator=torch.Generator().manual_seed(n))
-        at = torch.arange(n)[None]
-        ways = {"quantized kernels": lambda k, v: fast.forward(tokens, at, at, k, v, last_only=True),
-                "hf dense float32": lambda k, v: fast._body(tokens, at, (torch.zeros_like(at), at),
-                                                            [c[:, :, :n] for c in k], [c[:, :, :n] for c in v], None,
-                                                            True, fast.prefill_set)}
-        row = {}
-        for name, run in ways.items():
-            run(*fast.new_cache(1, 1024))
-            best = float("inf")
-            for _ in range(3):
-                keys, values = fast.new_cache(1, 1024)
-                t = time.perf_counter()
-                run(keys, values)
-                best = min(best, time.perf_counter() - t)
-            row[name] = round(best * 1e3, 1)
-        out[n] = row
-    return out
-
-
-def step_parts(fast: FastLlama, step) -> dict:
-    """Where a one-token step's time goes: the 30 decoder-layer calls (weights streamed from memory,
-    attention, the glue), the LM head, and the rest (embedding, rotary tables, key layout, the final
-    norm, Python), mean of 50 steps."""
-    parts = {"decoder layers": 0.0, "lm head": 0.0}
-    mm = fast.pass_set
-    layer_fn, head = mm.layer_fn, mm.head
-
-    def timed(fn, part):
-        def run(*a):
-            t = time.perf_counter()
-            out = fn(*a)
-            parts[part] += time.perf_counter() - t
-            return out
-        return run
-
-    mm.layer_fn, mm.head = timed(layer_fn, "decoder layers"), timed(head, "lm head")
     try:
-        for _ in range(5):
-            step(1)
-        parts.update({"decoder layers": 0.0, "lm head": 0.0})
-        t = time.perf_counter()
-        for _ in range(50):
-            step(1)
-        total = (time.perf_counter() - t) / 50
+        for n in (25, 72, 128, 150, 300, 600):
+            tokens = torch.randint(1000, (1, n), generator=torch.Generator().manual_seed(n))
+            row = {}
+            for name, most in (("quantized kernels", n), ("hf dense float32", 0)):
+                fast_module.QUANTIZED_PREFILL_MAX = most
+                fast.prefill(tokens, *fast.new_cache(1, 1024), last_only=True)
+                best = float("inf")
+                for _ in range(3):
+                    keys, values = fast.new_cache(1, 1024)
+                    t = time.perf_counter()
+                    fast.prefill(tokens, keys, values, last_only=True)
+                    best = min(best, time.perf_counter() - t)
+                row[name] = round(best * 1e3, 1)
+            out[n] = row
     finally:
-        mm.layer_fn, mm.head = layer_fn, head
-    out = {k: round(v / 50 * 1e3, 2) for k, v in parts.items()}
-    out["rest"] = round(total * 1e3 - sum(out.values()), 2)
-    out["total"] = round(total * 1e3, 2)
+        fast_module.QUANTIZED_PREFILL_MAX = PREFILL_MAX
     return out
 
 

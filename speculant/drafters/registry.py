@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SpeculantError
+from ..models import quantized
 from ..models.cpu_kernels import onednn_packs
 from ..models.loading import LoadedModel
 from ..trained.format import read_config, shipped_drafters, tapped_layers, target_differences, target_fingerprint
@@ -214,7 +215,7 @@ def build(spec: DrafterSpec, target: LoadedModel, device=None, dtype=None) -> Dr
     """The drafter of a parsed (and checked) spec for ``target``; draft models go to ``device`` in
     ``dtype`` (default: the target's; beside quantized weights, bfloat16 where the CPU multiplies it
     natively: a draft network in float32 would cost more than the quantized target's own pass)."""
-    if dtype is None and getattr(target.model, "speculant_quantized", None) and onednn_packs(torch.bfloat16):
+    if dtype is None and quantized.weights_of(target.model) and onednn_packs(torch.bfloat16):
         dtype = torch.bfloat16
     return KIND[spec.kind].make(spec, Build(target, device, dtype, lambda part: build(part, target, device, dtype)))
 
@@ -248,7 +249,7 @@ def default_drafter(target: LoadedModel) -> str:
     trained head's (~8 ms), so it never pays and γ auto switches it off, where prompt lookup still
     wins on repeating text (docs/fast-path.md)."""
     shipped = shipped_drafter(target)
-    if shipped is None or getattr(target.model, "speculant_quantized", None):
+    if shipped is None or quantized.weights_of(target.model):
         return "ngram"
     return shipped
 

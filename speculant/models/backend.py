@@ -7,7 +7,7 @@ import sys
 import torch
 
 from ..errors import SpeculantError
-from . import invariant
+from . import invariant, quantized
 from .cuda_graphs import GraphedForward
 from .fast import FastLlama, StaticKVState, supports
 from .kv import KVState
@@ -65,10 +65,10 @@ class Backend:
             print(f"speculant: {why}; using the general path", file=sys.stderr)
         if compile:
             use_persistent_compile_cache()
-        if getattr(model, "speculant_quantized", None) and compile:
+        if quantized.weights_of(model) and compile:
             raise SpeculantError("compile does not apply to quantized weights (their kernels are compiled C++ "
                                  "already): drop --compile, or use dtype float32 or bfloat16")
-        if getattr(model, "speculant_quantized", None) and not (want_fast and ok):
+        if quantized.weights_of(model) and not (want_fast and ok):
             raise SpeculantError(f"quantized weights run on the fast path only ({why or 'path ' + path + ' asked for'}): "
                                  f"use dtype auto, float32 or bfloat16")
         self.fast = FastLlama(model, compile=compile, kernels=kernels) if want_fast and ok else None

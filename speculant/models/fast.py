@@ -223,7 +223,7 @@ class FastLlama:
         # kernels, each matmul within the rows window in which this machine keeps it width-invariant
         layers = [{n + "_packed": FLinear(w[n], w.get(n + "_bias")) for n in MATMULS} | w for w in plain]
         head, kind = FLinear(self.lm_head.weight, self.lm_head.bias), None
-        qweights = getattr(hf_model, "speculant_quantized", None)
+        qweights = quantized.weights_of(hf_model)
         if qweights and self.device.type == "cpu" and self.dtype == torch.float32 and not compile:
             layers, head = self._quantized(plain, qweights)
         elif self.device.type == "cpu":

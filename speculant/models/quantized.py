@@ -220,6 +220,12 @@ def _head_orders(n: int, cfg) -> list[torch.Tensor | None]:
     return orders
 
 
+def weights_of(model: torch.nn.Module) -> dict[str, QuantWeight] | None:
+    """The quantized weights a model loaded with ``dtype="quantized"`` carries (``loading``), by module
+    name, or None: a model on dense weights."""
+    return getattr(model, "speculant_quantized", None)
+
+
 def read(model: torch.nn.Module, path: Path | None = None) -> dict[str, QuantWeight]:
     """The quantized weights of ``model``'s linear layers from its GGUF, by module name
     ("model.layers.0.self_attn.q_proj", "lm_head"): only those whose dequantised values equal the
