@@ -1,4 +1,5 @@
-"""The CPU's width-invariant attention kernel (csrc/attention.cpp), built once per machine.
+"""The CPU's width-invariant attention kernel (csrc/core/attention.h), built once per machine in the
+one module of every CPU kernel (``native``).
 
 Each query is computed alone over exactly its own keys in text order, with sums whose order
 depends on nothing else, so the kernel is width-invariant by construction (no check needed), and
@@ -24,7 +25,7 @@ def kernel():
     """The compiled ``attend`` function, or None (no compiler, a failed build, or turned off)."""
     if os.environ.get(ENV, "auto") == "torch":
         return None
-    module = native.build("attention", ("attend",), "the CPU attention kernel")
+    module = native.build()
     return None if module is None else module.attend
 
 

@@ -1,10 +1,14 @@
 """The C++ kernels in ``csrc/``, compiled once per machine with this machine's compiler.
 
-Each is built with ``-march=native`` (this CPU's vectors and fused multiply-adds) and OpenMP
-(at::parallel_for's threads); PyTorch keeps the build under its extensions folder, named per
-source, flags and CPU, so a home folder shared by machines of other CPUs never loads one built
-elsewhere. Where no compiler is at hand, or a build fails, ``build`` says so once and returns None:
-the caller falls back to PyTorch ops.
+``csrc/core/`` is the kernel core, plain C++ with no PyTorch in it (per-ISA primitives in
+``core/arch/``: AVX-512, AVX2, NEON, plain C++), and ``csrc/kernels.cpp`` its thin PyTorch binding:
+one module holds every CPU kernel (attention, quantized linears, a decoder layer). It is built with
+``-march=native`` (this CPU's vectors and fused multiply-adds, which pick the ISA branch),
+``-ffp-contract=off`` (every multiply-add the code does not ask to fuse stays two IEEE operations,
+so every ISA branch gives the same bits) and OpenMP (at::parallel_for's threads). PyTorch keeps
+the build under its extensions folder, named per source, flags and CPU, so a home folder shared by
+machines of other CPUs never loads one built elsewhere. Where no compiler is at hand, or a build
+fails, ``build`` says so once and returns None: the callers fall back to PyTorch ops.
 """
 from __future__ import annotations
 
@@ -17,8 +21,9 @@ from pathlib import Path
 
 from .cpu_kernels import cpu_key
 
-FLAGS = ("-O3", "-march=native", "-fopenmp")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
 CSRC = Path(__file__).parent / "csrc"
+FUNCTIONS = ("attend", "quant_linear", "layer_start", "layer_end", "layer", "norm", "group_size", "isa")
 STALE_LOCK_S = 600  # a build takes about a minute, writing files as it goes: ten quiet minutes is a killed one
 
 
@@ -38,30 +43,35 @@ def _clear_stale_lock(folder: Path) -> None:
         pass
 
 
+def sources() -> str:
+    """Every file of csrc/ (the binding includes the core's headers): a change to any rebuilds."""
+    files = sorted(f for f in CSRC.rglob("*") if f.suffix in (".cpp", ".h") and "harness" not in f.parts)
+    return "".join(f"{f.relative_to(CSRC)}\n{f.read_text()}" for f in files)
+
+
 @functools.cache
-def build(stem: str, functions: tuple[str, ...], what: str, flags: tuple[str, ...] = ()):
-    """The compiled module of ``csrc/<stem>.cpp`` exposing ``functions``, or None (no compiler, a
-    failed build). ``what`` names it in messages ("the CPU attention kernel")."""
+def build(isa: tuple[str, ...] = ()):
+    """The compiled kernels module (``csrc/kernels.cpp``), or None (no compiler, a failed build).
+    ``isa``: flags on top of ``-march=native`` (``-mno-avx512f``: the AVX2 branch, which the tests
+    build on any x86 CPU)."""
     try:
         from torch.utils import cpp_extension  # a fifth of a second to import: only to build a kernel
 
-        source = (CSRC / f"{stem}.cpp").read_text()
-        # every file of csrc/ may be included (quantized.cpp includes attention.cpp): a change rebuilds
-        others = "".join(f.read_text() for f in sorted(CSRC.iterdir()) if f.suffix in (".cpp", ".h"))
-        all_flags = list(FLAGS + flags)
-        tag = hashlib.sha256((source + others + " ".join(all_flags) + cpu_key()).encode()).hexdigest()[:12]
-        name = f"speculant_{stem}_{tag}"
+        all_flags = list(FLAGS + isa)
+        tag = hashlib.sha256((sources() + " ".join(all_flags) + cpu_key()).encode()).hexdigest()[:12]
+        name = f"speculant_kernels_{tag}"
         # PyTorch builds in $TORCH_EXTENSIONS_DIR/<name>, else in <default root>/<python, cuda>/<name>
         root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
         folders = [*root.glob(name), *root.glob(f"*/{name}")]
         for folder in folders:
             _clear_stale_lock(folder)
         if not any((folder / f"{name}.so").exists() for folder in folders):
-            print(f"speculant: building {what} for this machine (once, about a minute)", file=sys.stderr, flush=True)
-        return cpp_extension.load_inline(name, [source], functions=list(functions), extra_cflags=all_flags,
-                                         extra_ldflags=["-fopenmp"], extra_include_paths=[str(CSRC)],
-                                         verbose=False)
+            print("speculant: building the CPU kernels for this machine (once, about a minute)", file=sys.stderr,
+                  flush=True)
+        return cpp_extension.load_inline(name, [(CSRC / "kernels.cpp").read_text()], functions=list(FUNCTIONS),
+                                         extra_cflags=all_flags, extra_ldflags=["-fopenmp"],
+                                         extra_include_paths=[str(CSRC)], verbose=False)
     except Exception as e:  # no compiler or ninja, or a failed build
-        print(f"speculant: could not build {what} ({str(e).splitlines()[0][:120]}); using PyTorch ops",
+        print(f"speculant: could not build the CPU kernels ({str(e).splitlines()[0][:120]}); using PyTorch ops",
               file=sys.stderr, flush=True)
         return None

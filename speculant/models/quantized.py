@@ -2,7 +2,7 @@
 
 Dequantising a GGUF to bf16 or float32 makes every token stream 3-6x the bytes of the file itself.
 Here the linear layers keep the file's blocks and multiply with them directly
-(``csrc/quantized.cpp``): activations, norms, attention and the KV cache stay float32.
+(``csrc/core/quant.h``): activations, norms, attention and the KV cache stay float32.
 
 One layout serves the formats: blocks of 32 inputs, w = scale * q + min with a float32 scale and
 min per block, 4-bit codes (two to a byte) or 8-bit ones. Q4_0, Q4_1, Q4_K and Q8_0 map onto it
@@ -96,20 +96,18 @@ class QuantWeight:
 
 @functools.cache
 def kernels():
-    """The compiled kernels (``csrc/quantized.cpp``: quant_linear; layer, a decoder layer in one call;
+    """The compiled kernels (``native``: quant_linear; layer, a decoder layer in one call;
     layer_start and layer_end around attention in PyTorch ops; norm), or None (no compiler, or
     $SPECULANT_QUANTIZED_KERNEL=torch)."""
     if os.environ.get(ENV, "auto") == "torch":
         return None
-    return build()
+    return native.build()
 
 
 def build(isa: tuple[str, ...] = ()):
     """The kernels built for this CPU, or with ``isa`` flags on top (``-mno-avx512f``: the AVX2 branch,
     which the tests build on any x86 CPU)."""
-    # -ffp-contract=fast: each multiply-add one FMA (the same instruction for every row)
-    return native.build("quantized", ("quant_linear", "layer_start", "layer_end", "layer", "norm", "group_size"),
-                        "the CPU quantized-weight kernels", ("-ffp-contract=fast",) + isa)
+    return native.build(isa)
 
 
 class QuantLinear:

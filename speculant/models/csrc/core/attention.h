@@ -7,61 +7,63 @@
 // keys gathered by ``slots`` into text order) or a row beside other requests: the property
 // speculative decoding needs to keep plain decoding's text, by construction. Queries of one row and
 // kv head are taken together only to read each key once; their sums stay their own.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#pragma once
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
+#include "parallel.h"
 #include "vector.h"
 
-namespace {
+namespace spk {
 
 constexpr int64_t QUERIES = 8;  // queries a task takes together (each key is read once for them)
-
 constexpr int64_t MAX_D = 256;  // head dims up to this, in whole vectors
 
-template <typename scalar_t>
-void attend_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
-                   const at::Tensor& count, double scale, at::Tensor& out) {
-  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
-  const int64_t Hkv = k.size(1), g = H / Hkv, W = slots.numel() ? slots.size(2) : 0, S = k.size(2);
-  const int64_t chunks = (T + QUERIES - 1) / QUERIES, C = D / LANES;
-  const auto qa = q.accessor<scalar_t, 4>();
-  const auto ca = count.accessor<int64_t, 2>();
-  const scalar_t* kp = k.data_ptr<scalar_t>();
-  const scalar_t* vp = v.data_ptr<scalar_t>();
-  const int64_t* sp = W ? slots.data_ptr<int64_t>() : nullptr;
-  const int64_t kb = k.stride(0), kh = k.stride(1), ks = k.stride(2);
-  const int64_t vb = v.stride(0), vh = v.stride(1), vs = v.stride(2);
-  auto oa = out.accessor<scalar_t, 4>();
-  const float sc = static_cast<float>(scale);
-  at::parallel_for(0, B * Hkv * chunks, 1, [&](int64_t begin, int64_t end) {
+template <typename T>
+struct Strided4 {  // a [B, H, T, D] tensor's data and strides (elements)
+  T* data;
+  int64_t s0, s1, s2, s3;
+  T& at(int64_t a, int64_t b, int64_t c, int64_t d) const { return data[a * s0 + b * s1 + c * s2 + d * s3]; }
+};
+
+struct AttentionShape {
+  int64_t B, H, T, D;  // queries [B, H, T, D]
+  int64_t Hkv, S;      // keys and values [B, Hkv, S, D], contiguous along D
+  int64_t W;           // slots [B, T, W] (0: query t's key x is slot x)
+};
+
+// q, out: [B, H, T, D]; k, v: [B, Hkv, S, D] (rows contiguous); slots: [B, T, W] or null; count [B, T]
+template <typename T>
+void attend(const AttentionShape& sh, Strided4<const T> q, Strided4<const T> k, Strided4<const T> v,
+            const int64_t* slots, const int64_t* count, float scale, Strided4<T> out, const ParallelFor& parallel) {
+  const int64_t B = sh.B, T_ = sh.T, D = sh.D, Hkv = sh.Hkv, S = sh.S, W = sh.W;
+  const int64_t g = sh.H / Hkv, chunks = (T_ + QUERIES - 1) / QUERIES, C = D / LANES;
+  parallel(B * Hkv * chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf, kf, vf_, s, kt(D * LANES), own(D * LANES), row(D), total(g);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / (Hkv * chunks), h = (item / chunks) % Hkv, t0 = (item % chunks) * QUERIES;
-      const int64_t tn = std::min(QUERIES, T - t0), R = tn * g;
+      const int64_t tn = std::min(QUERIES, T_ - t0), R = tn * g;
       int64_t longest = 0;
-      for (int64_t u = 0; u < tn; ++u) longest = std::max(longest, ca[b][t0 + u]);
+      for (int64_t u = 0; u < tn; ++u) longest = std::max(longest, count[b * T_ + t0 + u]);
       const int64_t L = std::min(longest, S), L16 = (longest + LANES - 1) / LANES * LANES;
-      const scalar_t* kbase = kp + b * kb + h * kh;
-      const scalar_t* vbase = vp + b * vb + h * vh;
+      const T* kbase = &k.at(b, h, 0, 0);
+      const T* vbase = &v.at(b, h, 0, 0);
       // float copies of the keys and values at slots 0..L-1 (where a query's key x is slot x)
       kf.assign(L16 * D, 0.f);
       vf_.assign(std::max<int64_t>(L, 1) * D, 0.f);
       for (int64_t x = 0; x < L; ++x)
         for (int64_t d = 0; d < D; ++d) {
-          kf[x * D + d] = static_cast<float>(kbase[x * ks + d]);
-          vf_[x * D + d] = static_cast<float>(vbase[x * vs + d]);
+          kf[x * D + d] = to_float(kbase[x * k.s2 + d]);
+          vf_[x * D + d] = to_float(vbase[x * v.s2 + d]);
         }
       qf.assign((R + 3) * D, 0.f);  // rows R.. stay zero: the padding of the last group of four
       for (int64_t u = 0; u < tn; ++u)
         for (int64_t j = 0; j < g; ++j)
-          for (int64_t d = 0; d < D; ++d) qf[(u * g + j) * D + d] = static_cast<float>(qa[b][h * g + j][t0 + u][d]);
-      auto slot_of = [&](int64_t u, int64_t x) { return sp ? sp[(b * T + t0 + u) * W + x] : x; };
+          for (int64_t d = 0; d < D; ++d) qf[(u * g + j) * D + d] = to_float(q.at(b, h * g + j, t0 + u, d));
+      auto slot_of = [&](int64_t u, int64_t x) { return slots ? slots[(b * T_ + t0 + u) * W + x] : x; };
       // scores, LANES keys at a time: a key per lane, each summed over d in order. Rows (query, head)
       // go four at a time (padded with a zero row), so every row runs the very same instructions.
       s.assign((R + 3) * L16, 0.f);
@@ -83,8 +85,8 @@ void attend_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
             a2 += qr[2][d] * kd;
             a3 += qr[3][d] * kd;
           }
-          vf out[4] = {a0 * sc, a1 * sc, a2 * sc, a3 * sc};
-          for (int64_t k4 = 0; k4 < 4; ++k4) std::memcpy(s.data() + to[k4] * L16 + x0, &out[k4], sizeof(vf));
+          vf res[4] = {a0 * scale, a1 * scale, a2 * scale, a3 * scale};
+          for (int64_t k4 = 0; k4 < 4; ++k4) std::memcpy(s.data() + to[k4] * L16 + x0, &res[k4], sizeof(vf));
         }
       };
       for (int64_t x0 = 0; x0 < L16; x0 += LANES) {
@@ -92,7 +94,7 @@ void attend_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
           for (int64_t d = 0; d < D; ++d) kt[d * LANES + l] = kf[(x0 + l) * D + d];
         rows_shared.clear();
         for (int64_t u = 0; u < tn; ++u) {
-          const int64_t n = ca[b][t0 + u];
+          const int64_t n = count[b * T_ + t0 + u];
           if (x0 >= n) continue;
           bool moved = false;
           for (int64_t l = 0; l < LANES && x0 + l < n; ++l) moved |= slot_of(u, x0 + l) != x0 + l;
@@ -103,8 +105,8 @@ void attend_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
           // a tree node's own keys past where its path leaves the shared slots
           std::fill(own.begin(), own.end(), 0.f);
           for (int64_t l = 0; l < LANES && x0 + l < n; ++l) {
-            const scalar_t* src = kbase + slot_of(u, x0 + l) * ks;
-            for (int64_t d = 0; d < D; ++d) own[d * LANES + l] = static_cast<float>(src[d]);
+            const T* src = kbase + slot_of(u, x0 + l) * k.s2;
+            for (int64_t d = 0; d < D; ++d) own[d * LANES + l] = to_float(src[d]);
           }
           rows_own.clear();
           for (int64_t j = 0; j < g; ++j) rows_own.push_back(u * g + j);
@@ -113,10 +115,10 @@ void attend_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
         score_rows(rows_shared, kt.data(), x0);
       }
       for (int64_t u = 0; u < tn; ++u) {
-        const int64_t n = ca[b][t0 + u];
+        const int64_t n = count[b * T_ + t0 + u];
         if (n <= 0) {  // sees nothing (a padding column): zeros
           for (int64_t j = 0; j < g; ++j)
-            for (int64_t d = 0; d < D; ++d) oa[b][h * g + j][t0 + u][d] = static_cast<scalar_t>(0.f);
+            for (int64_t d = 0; d < D; ++d) out.at(b, h * g + j, t0 + u, d) = from_float<T>(0.f);
           continue;
         }
         for (int64_t j = 0; j < g; ++j) {  // each (query, head): its max, exps and their sum, in order
@@ -141,8 +143,8 @@ void attend_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
             const int64_t slot = slot_of(u, x);
             const float* val = vf_.data() + x * D;
             if (slot != x || x >= L) {
-              const scalar_t* src = vbase + slot * vs;
-              for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(src[d]);
+              const T* src = vbase + slot * v.s2;
+              for (int64_t d = 0; d < D; ++d) row[d] = to_float(src[d]);
               val = row.data();
             }
             const float p0 = w0[x], p1 = w1 ? w1[x] : 0.f;
@@ -156,7 +158,7 @@ void attend_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
             const vf* acc = i ? acc1 : acc0;
             for (int64_t c = 0; c < C; ++c)
               for (int64_t lane = 0; lane < LANES; ++lane)
-                oa[b][h * g + j + i][t0 + u][c * LANES + lane] = static_cast<scalar_t>(acc[c][lane] / total[j + i]);
+                out.at(b, h * g + j + i, t0 + u, c * LANES + lane) = from_float<T>(acc[c][lane] / total[j + i]);
           }
         }
       }
@@ -164,25 +166,4 @@ void attend_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   });
 }
 
-}  // namespace
-
-// q [B, H, T, D]; k, v [B, Hkv, S, D] with contiguous rows; slots [B, T, W] int64 (query t's key x is
-// slot slots[b, t, x]), or empty where key x is slot x; count [B, T]: keys each query sees.
-at::Tensor attend(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor slots, at::Tensor count, double scale) {
-  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "attend: keys and values need contiguous rows");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "attend: one dtype");
-  TORCH_CHECK(q.size(3) % LANES == 0 && q.size(3) <= MAX_D, "attend: head dims a multiple of 16, at most 256");
-  auto out = at::empty(q.sizes(), q.options());
-  auto c = count.to(at::kLong).contiguous();
-  auto sl = slots.numel() ? slots.to(at::kLong).contiguous() : slots;
-  if (q.scalar_type() == at::kFloat) {
-    attend_kernel<float>(q, k, v, sl, c, scale, out);
-  } else if (q.scalar_type() == at::kBFloat16) {
-    attend_kernel<at::BFloat16>(q, k, v, sl, c, scale, out);
-  } else if (q.scalar_type() == at::kHalf) {
-    attend_kernel<at::Half>(q, k, v, sl, c, scale, out);
-  } else {
-    TORCH_CHECK(false, "attend: float32, bfloat16 or float16 only");
-  }
-  return out;
-}
+}  // namespace spk

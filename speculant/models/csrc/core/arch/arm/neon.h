@@ -1,0 +1,80 @@
+// ARM NEON (aarch64: 32 registers of 4 floats): a 16-lane vector is four registers. Nibbles are
+// split with vand/vshr on 16 bytes at once, widened with vmovl and converted with vcvtq; vfmaq is
+// the fused multiply-add.
+#pragma once
+
+#include <arm_neon.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace spk {
+
+constexpr const char* ISA = "neon";
+
+struct V16 {
+  float32x4_t q[4];  // lanes 0-3, 4-7, 8-11, 12-15
+};
+
+inline V16 zero16() { return {{vdupq_n_f32(0), vdupq_n_f32(0), vdupq_n_f32(0), vdupq_n_f32(0)}}; }
+inline V16 set16(float s) { return {{vdupq_n_f32(s), vdupq_n_f32(s), vdupq_n_f32(s), vdupq_n_f32(s)}}; }
+inline V16 load16(const float* p) { return {{vld1q_f32(p), vld1q_f32(p + 4), vld1q_f32(p + 8), vld1q_f32(p + 12)}}; }
+inline void store16(float* p, const V16& v) {
+  for (int i = 0; i < 4; ++i) vst1q_f32(p + 4 * i, v.q[i]);
+}
+inline V16 fma16(const V16& x, const V16& y, const V16& z) {  // z + x * y, one rounding
+  V16 r;
+  for (int i = 0; i < 4; ++i) r.q[i] = vfmaq_f32(z.q[i], x.q[i], y.q[i]);
+  return r;
+}
+inline V16 add16(const V16& x, const V16& y) {
+  V16 r;
+  for (int i = 0; i < 4; ++i) r.q[i] = vaddq_f32(x.q[i], y.q[i]);
+  return r;
+}
+inline V16 mul16(const V16& x, const V16& y) {
+  V16 r;
+  for (int i = 0; i < 4; ++i) r.q[i] = vmulq_f32(x.q[i], y.q[i]);
+  return r;
+}
+
+inline float sum16(const V16& v) {  // generic.h's tree
+  const float32x4_t a0 = vaddq_f32(v.q[0], v.q[2]), a1 = vaddq_f32(v.q[1], v.q[3]);  // i + (i + 8)
+  const float32x4_t b = vaddq_f32(a0, a1);                                          // i + (i + 4)
+  const float32x2_t c = vadd_f32(vget_low_f32(b), vget_high_f32(b));                // (0 + 2), (1 + 3)
+  return vget_lane_f32(c, 0) + vget_lane_f32(c, 1);
+}
+
+inline void widen_u8(uint8x16_t b, float32x4_t s, float32x4_t m, float32x4_t* out) {  // 16 codes -> 16 weights
+  const uint16x8_t lo = vmovl_u8(vget_low_u8(b)), hi = vmovl_high_u8(b);
+  out[0] = vfmaq_f32(m, vcvtq_f32_u32(vmovl_u16(vget_low_u16(lo))), s);
+  out[1] = vfmaq_f32(m, vcvtq_f32_u32(vmovl_high_u16(lo)), s);
+  out[2] = vfmaq_f32(m, vcvtq_f32_u32(vmovl_u16(vget_low_u16(hi))), s);
+  out[3] = vfmaq_f32(m, vcvtq_f32_u32(vmovl_high_u16(hi)), s);
+}
+
+inline void widen_s8(int8x16_t b, float32x4_t s, float32x4_t m, float32x4_t* out) {
+  const int16x8_t lo = vmovl_s8(vget_low_s8(b)), hi = vmovl_high_s8(b);
+  out[0] = vfmaq_f32(m, vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo))), s);
+  out[1] = vfmaq_f32(m, vcvtq_f32_s32(vmovl_high_s16(lo)), s);
+  out[2] = vfmaq_f32(m, vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi))), s);
+  out[3] = vfmaq_f32(m, vcvtq_f32_s32(vmovl_high_s16(hi)), s);
+}
+
+template <int BITS>
+inline void dequant(const uint8_t* codes, float scale, float min, V16& lo, V16& hi) {
+  const float32x4_t s = vdupq_n_f32(scale), m = vdupq_n_f32(min);
+  if constexpr (BITS == 4) {
+    const uint8x16_t bytes = vld1q_u8(codes);
+    widen_u8(vandq_u8(bytes, vdupq_n_u8(15)), s, m, lo.q);
+    widen_u8(vshrq_n_u8(bytes, 4), s, m, hi.q);
+  } else {
+    widen_s8(vld1q_s8(reinterpret_cast<const int8_t*>(codes)), s, m, lo.q);
+    widen_s8(vld1q_s8(reinterpret_cast<const int8_t*>(codes + 16)), s, m, hi.q);
+  }
+}
+
+// Float kernel tiles (not measured on ARM hardware): 16 accumulators of 4 lanes at most.
+constexpr int ONE_ROW_OUTS = 4, NARROW_OUTS = 2, NARROW_ROWS = 2, WIDE_FROM = 4, WIDE_OUTS = 1, WIDE_ROWS = 4;
+
+}  // namespace spk

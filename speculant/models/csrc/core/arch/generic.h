@@ -1,0 +1,69 @@
+// Plain C++ lanes: the reference every ISA branch must equal bit for bit, and the branch for CPUs
+// with none of the others (its speed does not matter; its bits do).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace spk {
+
+constexpr const char* ISA = "generic";
+
+struct V16 {
+  float v[16];
+};
+
+inline V16 zero16() { return V16{}; }
+inline V16 set16(float s) {
+  V16 r;
+  for (int i = 0; i < 16; ++i) r.v[i] = s;
+  return r;
+}
+inline V16 load16(const float* p) {
+  V16 r;
+  std::memcpy(r.v, p, sizeof r.v);
+  return r;
+}
+inline void store16(float* p, const V16& a) { std::memcpy(p, a.v, sizeof a.v); }
+inline V16 fma16(const V16& a, const V16& b, const V16& c) {  // a * b + c, one rounding
+  V16 r;
+  for (int i = 0; i < 16; ++i) r.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
+  return r;
+}
+inline V16 add16(const V16& a, const V16& b) {
+  V16 r;
+  for (int i = 0; i < 16; ++i) r.v[i] = a.v[i] + b.v[i];
+  return r;
+}
+inline V16 mul16(const V16& a, const V16& b) {
+  V16 r;
+  for (int i = 0; i < 16; ++i) r.v[i] = a.v[i] * b.v[i];
+  return r;
+}
+
+// the lanes' sum in the one fixed tree every branch uses: i + (i + 8), then i + (i + 4), then
+// (0 + 2) + (1 + 3)
+inline float sum16(const V16& a) {
+  float b[8], c[4];
+  for (int i = 0; i < 8; ++i) b[i] = a.v[i] + a.v[i + 8];
+  for (int i = 0; i < 4; ++i) c[i] = b[i] + b[i + 4];
+  return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+// One block of 32 weights, dequantized: w = fma(code, scale, min). 4-bit: byte i holds inputs i
+// (low nibble) and 16 + i (high nibble); 8-bit: signed codes.
+template <int BITS>
+inline void dequant(const uint8_t* codes, float scale, float min, V16& lo, V16& hi) {
+  for (int i = 0; i < 16; ++i) {
+    const float a = BITS == 4 ? float(codes[i] & 15) : float(int8_t(codes[i]));
+    const float b = BITS == 4 ? float(codes[i] >> 4) : float(int8_t(codes[16 + i]));
+    lo.v[i] = std::fma(a, scale, min);
+    hi.v[i] = std::fma(b, scale, min);
+  }
+}
+
+// Float kernel tiles (outputs x rows a tile takes together): plain loops, one row at a time.
+constexpr int ONE_ROW_OUTS = 1, NARROW_OUTS = 1, NARROW_ROWS = 4, WIDE_FROM = 1 << 30, WIDE_OUTS = 1, WIDE_ROWS = 4;
+
+}  // namespace spk

@@ -1,0 +1,118 @@
+// 16-float vectors in GCC/Clang's vector extensions (one AVX-512 register, two AVX2 ones, four NEON
+// ones): elementwise code every branch compiles alike (the core is built without contraction, so
+// each operation is a plain IEEE one and gives the same bits on every ISA).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace spk {
+
+constexpr int LANES = 16;
+typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+inline vf vload(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+// exp(x) for x <= 0, LANES at a time (Cephes' expf: 2^n times a polynomial): each lane's value is a
+// function of its x alone
+inline vf exp_vector(vf x) {
+  const vf zero = x - x, lo = zero - 87.0f;
+  x = x < lo ? lo : x;
+  x = x > zero ? zero : x;  // lanes past a query's keys hold other scores: kept finite
+  const vf t = x * 1.44269504088896341f + 0.5f;
+  vf n = __builtin_convertvector(__builtin_convertvector(t, vi), vf);  // toward zero, then down: floor(t)
+  n -= __builtin_convertvector(n > t, vf) * -1.0f;
+  vf r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  vf y = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * (r * r) + r + 1.0f;
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf p;
+  std::memcpy(&p, &bits, sizeof p);
+  return y * p;
+}
+
+// the lanes' sum in the fixed tree of the arch headers' sum16
+inline float lanes_sum(vf v) {
+  float b[8], c[4];
+  for (int i = 0; i < 8; ++i) b[i] = v[i] + v[i + 8];
+  for (int i = 0; i < 4; ++i) c[i] = b[i] + b[i + 4];
+  return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+// element types of caches and activations: float, bfloat16 and float16 stored as 16 bits
+struct bf16 {
+  uint16_t bits;
+};
+struct f16 {
+  uint16_t bits;
+};
+
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) {
+  const uint32_t u = uint32_t(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline float to_float(f16 x) {  // exact: every half is a float
+  const uint32_t sign = uint32_t(x.bits & 0x8000) << 16, exp = (x.bits >> 10) & 0x1F, mant = x.bits & 0x3FF;
+  uint32_t u;
+  if (exp == 0) {  // zero or subnormal: mant * 2^-24, exact in float
+    const float f = static_cast<float>(mant) * 5.9604644775390625e-8f;
+    std::memcpy(&u, &f, 4);
+    u |= sign;
+  } else {
+    u = sign | (exp == 31 ? 0x7F800000u : (exp + 112) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+template <typename T>
+inline T from_float(float f);
+template <>
+inline float from_float<float>(float f) { return f; }
+template <>
+inline bf16 from_float<bf16>(float f) {  // round to nearest even, as PyTorch's conversion
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if (f != f) return {0x7FC0};
+  u += 0x7FFF + ((u >> 16) & 1);
+  return {static_cast<uint16_t>(u >> 16)};
+}
+template <>
+inline f16 from_float<f16>(float f) {  // round to nearest even (as PyTorch's conversion); NaN: 0x7E00
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000, exp = (x >> 23) & 0xFF;
+  uint32_t mant = x & 0x7FFFFF;
+  if (exp == 0xFF) return {static_cast<uint16_t>(sign | (mant ? 0x7E00 : 0x7C00))};
+  const int e = static_cast<int>(exp) - 112;  // the half's biased exponent
+  if (e >= 31) return {static_cast<uint16_t>(sign | 0x7C00)};
+  uint32_t h, rest, half;
+  if (e <= 0) {  // a subnormal half (or zero): units of 2^-24
+    if (e < -10) return {static_cast<uint16_t>(sign)};
+    mant |= 0x800000;
+    const int shift = 14 - e;
+    h = mant >> shift, rest = mant & ((1u << shift) - 1), half = 1u << (shift - 1);
+  } else {
+    h = (static_cast<uint32_t>(e) << 10) | (mant >> 13), rest = mant & 0x1FFF, half = 0x1000;
+  }
+  if (rest > half || (rest == half && (h & 1))) ++h;  // a carry moves into the exponent, as it should
+  return {static_cast<uint16_t>(sign | h)};
+}
+
+}  // namespace spk

@@ -1,0 +1,151 @@
+// The kernel core's test harness: plain C++, no PyTorch, so any compiler for any ISA builds it
+// (aarch64 cross-compiled and run under qemu-user in the tests). It runs every kernel on random
+// inputs of its own making (a fixed generator: the same inputs on every machine) and prints one
+// line per case, "<case> <hash of the output's bytes>": builds for different ISAs must print the
+// same lines. It also checks width invariance itself (a row alone against the row in any block)
+// and prints "FAIL ..." where it breaks.
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "core/layer.h"
+
+namespace {
+
+struct Random {  // splitmix64
+  uint64_t s;
+  uint64_t next() {
+    uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  float uniform(float lo, float hi) { return lo + (hi - lo) * float(next() >> 40) / float(1ull << 24); }
+  std::vector<float> floats(size_t n, float lo, float hi) {
+    std::vector<float> v(n);
+    for (auto& x : v) x = uniform(lo, hi);
+    return v;
+  }
+};
+
+template <typename T>
+uint64_t fnv(const T* p, size_t n) {
+  const auto* b = reinterpret_cast<const unsigned char*>(p);
+  uint64_t h = 1469598103934665603ull;
+  for (size_t i = 0; i < n * sizeof(T); ++i) h = (h ^ b[i]) * 1099511628211ull;
+  return h;
+}
+
+int failures = 0;
+
+template <typename T>
+void report(const std::string& name, const std::vector<T>& out) {
+  std::printf("%s %016llx\n", name.c_str(), static_cast<unsigned long long>(fnv(out.data(), out.size())));
+}
+
+// a packed weight of random codes, scales and mins (float mode's layout: quant.h)
+std::vector<uint8_t> random_packed(Random& rng, int64_t N, int64_t K, int bits) {
+  const int64_t groups = (N + spk::GROUP - 1) / spk::GROUP, blocks = K / spk::BLOCK, rec = spk::record_bytes(bits);
+  std::vector<uint8_t> p(groups * blocks * spk::GROUP * rec);
+  for (size_t i = 0; i < p.size(); i += rec) {
+    const float scale = rng.uniform(0.001f, 0.05f), min = bits == 4 ? rng.uniform(-0.4f, 0.0f) : 0.0f;
+    std::memcpy(&p[i], &scale, 4);
+    std::memcpy(&p[i + 4], &min, 4);
+    for (int64_t j = 8; j < rec; ++j) p[i + j] = static_cast<uint8_t>(rng.next());
+  }
+  return p;
+}
+
+void check_rows(const std::string& name, const std::vector<float>& block, const std::vector<float>& alone) {
+  if (block != alone) {
+    std::printf("FAIL %s: a row's bits depend on the block\n", name.c_str());
+    ++failures;
+  }
+}
+
+void linears(Random& rng) {
+  const int64_t shapes[][2] = {{150, 544}, {64, 32}, {13, 64}, {96, 1536}};
+  for (int bits : {4, 8})
+    for (const auto& s : shapes) {
+      const int64_t N = s[0], K = s[1];
+      const auto packed = random_packed(rng, N, K, bits);
+      const auto bias = rng.floats(N, -1, 1);
+      const spk::Linear l{{packed.data(), N, K, bits}, bias.data()};
+      const int64_t M = 19;
+      const auto x = rng.floats(M * K, -2, 2);
+      std::vector<float> alone(M * N);
+      for (int64_t r = 0; r < M; ++r) spk::apply(l, x.data() + r * K, 1, alone.data() + r * N, spk::serial_for);
+      const std::string name = "linear q" + std::to_string(bits) + " " + std::to_string(N) + "x" + std::to_string(K);
+      for (int64_t m : {2, 3, 4, 5, 7, 8, 9, 16, 19}) {
+        std::vector<float> y(m * N);
+        spk::apply(l, x.data(), m, y.data(), spk::serial_for);
+        check_rows(name + " rows " + std::to_string(m), y, std::vector<float>(alone.begin(), alone.begin() + m * N));
+      }
+      report(name, alone);
+    }
+}
+
+template <typename T>
+void attention(Random& rng, const char* type) {
+  const int64_t B = 2, H = 4, Hkv = 2, T_ = 5, D = 32, S = 40, W = S;
+  std::vector<T> q(B * H * T_ * D), k(B * Hkv * S * D), v(B * Hkv * S * D), out(q.size());
+  for (auto* t : {&q, &k, &v})
+    for (auto& e : *t) e = spk::from_float<T>(rng.uniform(-2, 2));
+  std::vector<int64_t> count(B * T_), slots(B * T_ * W);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T_; ++t) {
+      count[b * T_ + t] = 17 + 2 * t + b;
+      for (int64_t x = 0; x < W; ++x) slots[(b * T_ + t) * W + x] = x < 17 ? x : (x * 7 + t) % S;  // a tree's own keys
+    }
+  const spk::AttentionShape sh{B, H, T_, D, Hkv, S, W};
+  const spk::Strided4<const T> qs{q.data(), H * T_ * D, T_ * D, D, 1}, ks{k.data(), Hkv * S * D, S * D, D, 1},
+      vs{v.data(), Hkv * S * D, S * D, D, 1};
+  const spk::Strided4<T> os{out.data(), H * T_ * D, T_ * D, D, 1};
+  spk::attend<T>(sh, qs, ks, vs, nullptr, count.data(), 0.125f, os, spk::serial_for);
+  report(std::string("attention chain ") + type, out);
+  spk::attend<T>(sh, qs, ks, vs, slots.data(), count.data(), 0.125f, os, spk::serial_for);
+  report(std::string("attention tree ") + type, out);
+}
+
+void layers(Random& rng) {
+  const int64_t B = 2, T = 3, H = 64, heads = 4, kv = 2, D = 16, I = 128, S = 24;
+  const auto pq = random_packed(rng, (heads + 2 * kv) * D, H, 4), po = random_packed(rng, H, heads * D, 8);
+  const auto pg = random_packed(rng, 2 * I, H, 4), pd = random_packed(rng, H, I, 4);
+  const auto bq = rng.floats((heads + 2 * kv) * D, -0.1f, 0.1f), zo = std::vector<float>(H, 0.f);
+  const auto zg = std::vector<float>(2 * I, 0.f);
+  const spk::Linear lq{{pq.data(), (heads + 2 * kv) * D, H, 4}, bq.data()}, lo{{po.data(), H, heads * D, 8}, zo.data()};
+  const spk::Linear lg{{pg.data(), 2 * I, H, 4}, zg.data()}, ld{{pd.data(), H, I, 4}, zo.data()};
+  const auto h = rng.floats(B * T * H, -1, 1), ln1 = rng.floats(H, 0.8f, 1.2f), ln2 = rng.floats(H, 0.8f, 1.2f);
+  const auto cos = rng.floats(B * T * D, -1, 1), sin = rng.floats(B * T * D, -1, 1);
+  std::vector<float> kc = rng.floats(B * kv * S * D, -1, 1), vc = rng.floats(B * kv * S * D, -1, 1);
+  std::vector<int64_t> write_at(B * T), count(B * T);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      write_at[b * T + t] = 10 + b + t;
+      count[b * T + t] = 11 + b + t;
+    }
+  std::vector<float> out(B * T * H);
+  spk::layer(h.data(), B, T, H, ln1.data(), 1e-5f, lq, cos.data(), sin.data(), heads, kv, D,
+             {kc.data(), vc.data(), kv * S * D, S * D, D, S}, write_at.data(), nullptr, 0, count.data(), 0.25f, lo,
+             ln2.data(), lg, ld, out.data(), spk::serial_for);
+  report("layer", out);
+  report("layer cache", kc);
+  std::vector<float> norm(B * T * H);
+  spk::rms_norm(h.data(), B * T, H, ln1.data(), 1e-5f, norm.data());
+  report("norm", norm);
+}
+
+}  // namespace
+
+int main() {
+  Random rng{42};
+  std::printf("isa %s\n", spk::ISA);
+  linears(rng);
+  attention<float>(rng, "float32");
+  attention<spk::bf16>(rng, "bfloat16");
+  attention<spk::f16>(rng, "float16");
+  layers(rng);
+  return failures ? 1 : 0;
+}

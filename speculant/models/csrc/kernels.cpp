@@ -1,0 +1,174 @@
+// The PyTorch binding of the kernel core (core/: plain C++, no PyTorch): tensors are checked and
+// handed to it as pointers, and at::parallel_for gives it PyTorch's threads. One module holds every
+// CPU kernel (attention, quantized linears, a decoder layer), built once per machine.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <string>
+#include <vector>
+
+#include "core/layer.h"
+
+namespace {
+
+void torch_parallel(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& body) {
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) { body(begin, end); });
+}
+const spk::ParallelFor PARALLEL = torch_parallel;
+
+const at::Tensor& rows_of_float(const at::Tensor& t, int64_t width) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.size(-1) == width, "expected contiguous float32 [..., ",
+              width, "]");
+  return t;
+}
+
+spk::Linear linear_of(const std::vector<at::Tensor>& t, int64_t bits, int64_t K) {
+  TORCH_CHECK(t.size() == 2 && K % spk::BLOCK == 0, "a quantized linear is (packed, bias); in_features a multiple of 32");
+  TORCH_CHECK(t[1].scalar_type() == at::kFloat && t[1].is_contiguous() && t[1].dim() == 1, "bias: float32 [N]");
+  const int64_t blocks = K / spk::BLOCK, record = spk::record_bytes(static_cast<int>(bits)), N = t[1].numel();
+  const at::Tensor& p = t[0];
+  TORCH_CHECK(p.scalar_type() == at::kByte && p.is_contiguous() && p.dim() == 4 && p.size(1) == blocks &&
+                  p.size(2) == spk::GROUP && p.size(3) == record,
+              "packed weight: uint8 [groups, ", blocks, ", ", spk::GROUP, ", ", record, "]");
+  TORCH_CHECK(p.size(0) == (N + spk::GROUP - 1) / spk::GROUP, "packed weight: ", (N + spk::GROUP - 1) / spk::GROUP,
+              " groups for ", N, " outputs");
+  return {{p.data_ptr<uint8_t>(), N, K, static_cast<int>(bits)}, t[1].data_ptr<float>()};
+}
+
+template <typename T, typename A>
+spk::Strided4<T> strided(const at::Tensor& t) {
+  return {reinterpret_cast<T*>(t.data_ptr<A>()), t.stride(0), t.stride(1), t.stride(2), t.stride(3)};
+}
+
+template <typename T, typename A>
+void attend_as(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
+               const at::Tensor& count, double scale, at::Tensor& out) {
+  const spk::AttentionShape sh{q.size(0), q.size(1), q.size(2), q.size(3), k.size(1), k.size(2),
+                               slots.numel() ? slots.size(2) : 0};
+  spk::attend<T>(sh, strided<const T, A>(q), strided<const T, A>(k), strided<const T, A>(v),
+                 slots.numel() ? slots.data_ptr<int64_t>() : nullptr, count.data_ptr<int64_t>(),
+                 static_cast<float>(scale), strided<T, A>(out), PARALLEL);
+}
+
+}  // namespace
+
+// q [B, H, T, D]; k, v [B, Hkv, S, D] with contiguous rows; slots [B, T, W] int64 (query t's key x is
+// slot slots[b, t, x]), or empty where key x is slot x; count [B, T]: keys each query sees.
+at::Tensor attend(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor slots, at::Tensor count, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes(), "attend: q [B, H, T, D], k and v [B, Hkv, S, D]");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "attend: keys and values need contiguous rows");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "attend: one dtype");
+  TORCH_CHECK(q.size(3) % spk::LANES == 0 && q.size(3) <= spk::MAX_D, "attend: head dims a multiple of 16, at most 256");
+  auto out = at::empty(q.sizes(), q.options());
+  auto c = count.to(at::kLong).contiguous();
+  auto sl = slots.numel() ? slots.to(at::kLong).contiguous() : slots;
+  if (q.scalar_type() == at::kFloat) {
+    attend_as<float, float>(q, k, v, sl, c, scale, out);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    attend_as<spk::bf16, at::BFloat16>(q, k, v, sl, c, scale, out);
+  } else if (q.scalar_type() == at::kHalf) {
+    attend_as<spk::f16, at::Half>(q, k, v, sl, c, scale, out);
+  } else {
+    TORCH_CHECK(false, "attend: float32, bfloat16 or float16 only");
+  }
+  return out;
+}
+
+// x: float32 [M, K]; w: (packed weight, bias). Returns float32 [M, N].
+at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& w, int64_t bits) {
+  TORCH_CHECK(x.dim() == 2, "x: [M, K]");
+  const int64_t M = x.size(0), K = x.size(1);
+  rows_of_float(x, K);
+  const spk::Linear l = linear_of(w, bits, K);
+  auto y = torch::empty({M, l.N()}, x.options());
+  if (M > 0) spk::apply(l, x.data_ptr<float>(), M, y.data_ptr<float>(), PARALLEL);
+  return y;
+}
+
+// A decoder layer up to attention: norm, the q/k/v matmul and rotary on the first ``roped`` heads.
+// h: [M, H]; cos, sin: [M, D]. Returns [M, heads * D] (q, k and v heads side by side).
+at::Tensor layer_start(const at::Tensor& h, const at::Tensor& ln, double eps, const std::vector<at::Tensor>& qkv,
+                       int64_t bits, const at::Tensor& cos, const at::Tensor& sin, int64_t roped, int64_t D) {
+  const int64_t H = h.size(-1), M = h.numel() / H;
+  TORCH_CHECK(H % spk::LANES == 0 && D % 2 == 0, "hidden size a multiple of 16");
+  rows_of_float(h, H), rows_of_float(ln, H), rows_of_float(cos, D), rows_of_float(sin, D);
+  const spk::Linear l = linear_of(qkv, bits, H);
+  TORCH_CHECK(l.N() % D == 0 && roped * D <= l.N() && cos.numel() == M * D && sin.numel() == M * D, "heads");
+  auto y = torch::empty({M, l.N()}, h.options());
+  spk::layer_start(h.data_ptr<float>(), M, H, ln.data_ptr<float>(), static_cast<float>(eps), l, cos.data_ptr<float>(),
+                   sin.data_ptr<float>(), roped, D, y.data_ptr<float>(), PARALLEL);
+  return y;
+}
+
+// The rest of a decoder layer: h + o(attn), then + down(silu(gate) * up) of its norm. h: [M, H];
+// attn: [M, heads * D]. Returns the new h [M, H].
+at::Tensor layer_end(const at::Tensor& h, const at::Tensor& attn, const std::vector<at::Tensor>& o, int64_t o_bits,
+                     const at::Tensor& ln, double eps, const std::vector<at::Tensor>& gate_up, int64_t gu_bits,
+                     const std::vector<at::Tensor>& down, int64_t down_bits) {
+  const int64_t H = h.size(-1), M = h.numel() / H, A = attn.size(-1);
+  rows_of_float(h, H), rows_of_float(attn, A), rows_of_float(ln, H);
+  TORCH_CHECK(attn.numel() == M * A && H % spk::LANES == 0, "attn rows");
+  const spk::Linear lo = linear_of(o, o_bits, A), lg = linear_of(gate_up, gu_bits, H);
+  const spk::Linear ld = linear_of(down, down_bits, lg.N() / 2);
+  TORCH_CHECK(lo.N() == H && ld.N() == H && (lg.N() / 2) % spk::LANES == 0, "layer shapes");
+  auto out = torch::empty({M, H}, h.options());
+  spk::layer_end(h.data_ptr<float>(), attn.data_ptr<float>(), M, H, lo, ln.data_ptr<float>(), static_cast<float>(eps),
+                 lg, ld, out.data_ptr<float>(), PARALLEL);
+  return out;
+}
+
+// A whole decoder layer for the passes after the prefill, in one call (core/layer.h).
+// h: [B, T, H]; cos, sin: [B, T, D]; caches: [B, n_kv, S, D]; write_at, count: [B, T].
+at::Tensor layer(const at::Tensor& h, const at::Tensor& ln1, double eps, const std::vector<at::Tensor>& qkv,
+                 int64_t qkv_bits, const at::Tensor& cos, const at::Tensor& sin, int64_t n_heads, int64_t n_kv, int64_t D,
+                 at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& write_at, const at::Tensor& slots,
+                 const at::Tensor& count, double scale, const std::vector<at::Tensor>& o, int64_t o_bits,
+                 const at::Tensor& ln2, const std::vector<at::Tensor>& gate_up, int64_t gu_bits,
+                 const std::vector<at::Tensor>& down, int64_t down_bits) {
+  TORCH_CHECK(h.dim() == 3, "layer: h [B, T, H]");
+  const int64_t B = h.size(0), T = h.size(1), H = h.size(2);
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.dim() == 4 &&
+                  k_cache.size(0) == B && k_cache.size(1) == n_kv && k_cache.size(3) == D &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.strides() == k_cache.strides() &&
+                  k_cache.stride(3) == 1 && write_at.scalar_type() == at::kLong && write_at.is_contiguous() &&
+                  write_at.size(0) == B && write_at.size(1) == T,
+              "layer: caches float32 [B, n_kv, S, D] contiguous along D, write_at [B, T]");
+  TORCH_CHECK(H % spk::LANES == 0 && D % spk::LANES == 0 && D <= spk::MAX_D, "layer: hidden and head sizes multiples of 16");
+  rows_of_float(h, H), rows_of_float(ln1, H), rows_of_float(ln2, H), rows_of_float(cos, D), rows_of_float(sin, D);
+  TORCH_CHECK(cos.numel() == B * T * D && sin.numel() == B * T * D, "layer: cos, sin [B, T, D]");
+  const spk::Linear lq = linear_of(qkv, qkv_bits, H), lo = linear_of(o, o_bits, n_heads * D);
+  const spk::Linear lg = linear_of(gate_up, gu_bits, H), ld = linear_of(down, down_bits, lg.N() / 2);
+  TORCH_CHECK(lq.N() == (n_heads + 2 * n_kv) * D && lo.N() == H && ld.N() == H && (lg.N() / 2) % spk::LANES == 0,
+              "layer shapes");
+  auto c = count.to(at::kLong).contiguous();
+  auto sl = slots.numel() ? slots.to(at::kLong).contiguous() : slots;
+  TORCH_CHECK(c.numel() == B * T && (!sl.numel() || (sl.size(0) == B && sl.size(1) == T)), "layer: count [B, T], slots [B, T, W]");
+  auto out = torch::empty({B, T, H}, h.options());
+  const spk::LayerCaches caches{k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), k_cache.stride(0),
+                                k_cache.stride(1), k_cache.stride(2), k_cache.size(2)};
+  try {
+    spk::layer(h.data_ptr<float>(), B, T, H, ln1.data_ptr<float>(), static_cast<float>(eps), lq, cos.data_ptr<float>(),
+               sin.data_ptr<float>(), n_heads, n_kv, D, caches, write_at.data_ptr<int64_t>(),
+               sl.numel() ? sl.data_ptr<int64_t>() : nullptr, sl.numel() ? sl.size(2) : 0, c.data_ptr<int64_t>(),
+               static_cast<float>(scale), lo, ln2.data_ptr<float>(), lg, ld, out.data_ptr<float>(), PARALLEL);
+  } catch (const std::out_of_range& e) {
+    TORCH_CHECK(false, e.what());
+  }
+  return out;
+}
+
+// The final norm: [M, H] -> [M, H].
+at::Tensor norm(const at::Tensor& h, const at::Tensor& ln, double eps) {
+  const int64_t H = h.size(-1), M = h.numel() / H;
+  rows_of_float(h, H), rows_of_float(ln, H);
+  TORCH_CHECK(H % spk::LANES == 0, "hidden size a multiple of 16");
+  auto out = torch::empty({M, H}, h.options());
+  spk::rms_norm(h.data_ptr<float>(), M, H, ln.data_ptr<float>(), static_cast<float>(eps), out.data_ptr<float>());
+  return out;
+}
+
+// Outputs a group of the packed layout holds (every ISA).
+int64_t group_size() { return spk::GROUP; }
+
+// The ISA branch this build compiled (core/simd.h): "avx512", "avx2", "neon" or "generic".
+std::string isa() { return spk::ISA; }
