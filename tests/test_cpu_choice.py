@@ -47,6 +47,24 @@ def test_bfloat16_is_chosen_only_by_a_clear_margin():
     assert cpu_choice.pick({"float32": 100.0, "bfloat16": 95.0, "quantized": 93.0}) == "float32"
 
 
+def test_int8_activations_are_chosen_only_by_a_clear_margin_over_quantized():
+    # each dtype must beat every more faithful one by 10%: float32, quantized, bfloat16, q8
+    assert cpu_choice.pick({"float32": 60.0, "quantized": 10.0, "bfloat16": 50.0, "q8": 9.5}) == "quantized"
+    assert cpu_choice.pick({"float32": 60.0, "quantized": 10.0, "bfloat16": 50.0, "q8": 8.5}) == "q8"
+    assert cpu_choice.pick({"q8": 8.5}) == "q8"  # whatever alone was measured
+    assert cpu_choice.pick({}) == "float32"
+
+
+def test_measuring_stops_at_its_bound_and_says_so(folder, capsys):
+    import sys
+
+    choice = cpu_choice.measure(folder, "none", log=lambda msg: print(msg, file=sys.stderr), bound_s=0.0)
+    err = capsys.readouterr().err
+    assert list(choice.ms_per_token) == ["float32"]  # the first candidate, from its warm-up request
+    assert "at most ~0 s" in err and "bfloat16 not measured" in err and "its warm-up" in err
+    assert choice.dtype == "float32"
+
+
 def test_load_with_auto_dtype_reports_the_choice_and_stays_exact(folder):
     gen = speculant.load(folder, drafter="ngram", gamma=3, device="cpu")
     choice = cpu_choice.choose(folder, "ngram")

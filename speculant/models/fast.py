@@ -82,8 +82,9 @@ def _window(fn, kind, dtype: torch.dtype, device: str) -> invariant.Rows:
     """The rows window of a matmul like ``fn``: F.linear (``kind`` None), packed as (compute, hint),
     or over quantized weights."""
     if isinstance(fn, QuantLinear):
-        bits = fn.weight.bits
-        return invariant.linear_rows(f"quantized {bits}-bit", lambda w, b: QuantLinear(QuantWeight.quantize(w, bits), b),
+        bits, int8 = fn.weight.bits, fn.int8
+        return invariant.linear_rows(f"quantized {bits}-bit" + (" int8" if int8 else ""),
+                                     lambda w, b: QuantLinear(QuantWeight.quantize(w, bits), b, int8),
                                      dtype, fn.in_features, fn.out_features, fn.bias is not None, device)
     if kind is None:
         return invariant.linear_rows("F.linear", FLinear, dtype, fn.in_features, fn.out_features,
@@ -224,6 +225,7 @@ class FastLlama:
         layers = [{n + "_packed": FLinear(w[n], w.get(n + "_bias")) for n in MATMULS} | w for w in plain]
         head, kind = FLinear(self.lm_head.weight, self.lm_head.bias), None
         qweights = quantized.weights_of(hf_model)
+        self.int8 = bool(qweights) and quantized.int8_activations(hf_model)
         if qweights and self.device.type == "cpu" and self.dtype == torch.float32 and not compile:
             layers, head = self._quantized(plain, qweights)
         elif self.device.type == "cpu":
@@ -311,7 +313,7 @@ class FastLlama:
                     biases = [w.get(n + "_bias") for n in group]
                     bias = None if all(b is None for b in biases) else torch.cat(
                         [b if b is not None else w[n].new_zeros(w[n].shape[0]) for n, b in zip(group, biases)])
-                    w["".join(group) + "_packed"] = QuantLinear(QuantWeight.stacked(parts), bias)
+                    w["".join(group) + "_packed"] = QuantLinear(QuantWeight.stacked(parts), bias, self.int8)
                     w.setdefault("quantized", {})["".join(group)] = w["".join(group) + "_packed"]  # unwindowed
                 else:  # F.linear over the dense weights, windowed like the rest
                     dense += len(group)
@@ -319,11 +321,13 @@ class FastLlama:
                         w[n + "_packed"] = FLinear(w[n], w.get(n + "_bias"))
             layers.append(w)
         if "lm_head" in qweights:
-            head = QuantLinear(qweights["lm_head"], self.lm_head.bias)
+            head = QuantLinear(qweights["lm_head"], self.lm_head.bias, self.int8)
         else:
             dense += 1
             head = FLinear(self.lm_head.weight, self.lm_head.bias)
-        self.kernels = f"quantized ({quantized.describe(qweights, dense)})"
+        k = quantized.kernels()
+        mode = "q8 (int8 activations" if self.int8 else "quantized (float32 activations"
+        self.kernels = f"{mode}; {quantized.describe(qweights, dense)}; {k.isa() if k else 'PyTorch ops'})"
         return layers, head
 
     def new_cache(self, batch: int, size: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -367,10 +371,11 @@ class FastLlama:
         (causal SDPA over the prompt, HF's F.linear), whatever other rows the cache holds. Over
         quantized weights a prompt of up to ``QUANTIZED_PREFILL_MAX`` tokens runs as one block of the
         passes' kernels instead (float32 too, each row alone: its cache is the one one-token steps
-        would write), where they are faster than the dense float32 matmuls."""
+        would write), where they are faster than the dense float32 matmuls; with int8 activations
+        (``q8``) every prompt does: that mode is int8 arithmetic throughout."""
         n = tokens.shape[1]
         positions = torch.arange(n, device=tokens.device)[None]
-        if n <= QUANTIZED_PREFILL_MAX and self.pass_set.layer_fn is quantized_layer:
+        if self.pass_set.layer_fn is quantized_layer and (n <= QUANTIZED_PREFILL_MAX or self.int8):
             return self.forward(tokens, positions, positions, keys, values, last_only, taps=taps)
         idx = (torch.zeros_like(positions), positions)
         keys, values = [k[:, :, :n] for k in keys], [v[:, :, :n] for v in values]

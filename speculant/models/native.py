@@ -23,7 +23,7 @@ from .cpu_kernels import cpu_key
 
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
 CSRC = Path(__file__).parent / "csrc"
-FUNCTIONS = ("attend", "quant_linear", "layer_start", "layer_end", "layer", "norm", "group_size", "isa")
+FUNCTIONS = ("attend", "quant_linear", "layer_start", "layer_end", "layer", "norm", "group_size", "q8_quantize", "isa")
 STALE_LOCK_S = 600  # a build takes about a minute, writing files as it goes: ten quiet minutes is a killed one
 
 
@@ -49,11 +49,30 @@ def sources() -> str:
     return "".join(f"{f.relative_to(CSRC)}\n{f.read_text()}" for f in files)
 
 
-@functools.cache
+# "-mno-<feature>" flags that change nothing on a CPU without the feature (cpuinfo's name for it)
+_TURNS_OFF = {"-mno-avx512f": "avx512f", "-mno-avx2": "avx2", "-mno-avx512vnni": "avx512_vnni"}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
 def build(isa: tuple[str, ...] = ()):
     """The compiled kernels module (``csrc/kernels.cpp``), or None (no compiler, a failed build).
     ``isa``: flags on top of ``-march=native`` (``-mno-avx512f``: the AVX2 branch, which the tests
-    build on any x86 CPU)."""
+    build on any x86 CPU); one that turns off a feature this CPU lacks is dropped (the same build)."""
+    have = _cpu_flags()
+    return _build(tuple(f for f in isa if f not in _TURNS_OFF or _TURNS_OFF[f] in have))
+
+
+@functools.cache
+def _build(isa: tuple[str, ...]):
     try:
         from torch.utils import cpp_extension  # a fifth of a second to import: only to build a kernel
 

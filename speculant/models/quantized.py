@@ -112,17 +112,18 @@ def build(isa: tuple[str, ...] = ()):
 
 class QuantLinear:
     """A linear layer over a ``QuantWeight`` (float32 in and out), shaped like cpu_kernels.PackedLinear.
+    ``int8``: each row of x is quantized to int8 in blocks of 32 and multiplied in integers (``q8``).
     Without the compiled kernel: the dequantised weight and ``F.linear`` (slow, and not the kernel's bits)."""
 
-    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None):
-        self.weight = weight
+    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None, int8: bool = False):
+        self.weight, self.int8 = weight, int8
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self._dense = None
         k = kernels()
         if k is not None:  # the kernel's arguments: the weight packed for streaming, a bias (zeros for none)
             bias = self.bias if self.bias is not None else torch.zeros(self.out_features)
-            self.args = [pack(weight, k.group_size()), bias]
+            self.args = [pack_int8(weight) if int8 else pack(weight, k.group_size()), bias]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         k = kernels()
@@ -132,6 +133,37 @@ class QuantLinear:
             return torch.nn.functional.linear(x, self._dense, self.bias)
         y = k.quant_linear(x.reshape(-1, self.in_features).contiguous(), self.args, self.weight.bits)
         return y.view(*x.shape[:-1], self.out_features)
+
+
+Q8_GROUP = 16  # outputs a group of the int8 kernels' layout holds (csrc/core/q8.h)
+
+
+def pack_int8(w: QuantWeight) -> torch.Tensor:
+    """The int8-activation kernels' layout (csrc/core/q8.h): outputs in groups of 16 (zero rows fill
+    the last), and per group, block after block: 16 float32 scales, 16 float32 mins (4-bit only), then
+    the codes, an output's 4 inputs in each int32 lane: 4-bit, 4 chunks x 16 outputs x 4 bytes whose low
+    nibbles are inputs 8c + j and high nibbles 8c + 4 + j; 8-bit, 8 chunks x 16 outputs x 4 bytes
+    (inputs 4c + j). uint8 [groups, blocks, bytes a block]."""
+    n, k = w.shape
+    blocks, pad = k // BLOCK, -n % Q8_GROUP
+    groups = (n + pad) // Q8_GROUP
+    codes = torch.nn.functional.pad(w.signed_codes().view(torch.uint8), (0, 0, 0, pad))
+    scale, low = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (w.scale, w.min))
+
+    def by_group(t: torch.Tensor) -> torch.Tensor:  # [n, blocks, ...] -> [groups, blocks, 16, ...]
+        return t.view(groups, Q8_GROUP, blocks, *t.shape[2:]).transpose(1, 2)
+
+    if w.bits == 4:
+        q = codes.view(-1, blocks, 4, 2, 4)  # [n, block, chunk c, half, j]: input 8c + 4 * half + j
+        lanes = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [n, block, chunk, 4 bytes]
+    else:
+        lanes = codes.view(-1, blocks, 8, 4)
+    lanes = by_group(lanes).transpose(2, 3)  # [groups, blocks, chunk, 16 outputs, 4 bytes]
+    parts = [by_group(scale.contiguous().view(-1, blocks, 1).view(torch.uint8))]
+    if w.bits == 4:
+        parts.append(by_group(low.contiguous().view(-1, blocks, 1).view(torch.uint8)))
+    parts.append(lanes)
+    return torch.cat([p.reshape(groups, blocks, -1) for p in parts], -1).contiguous()
 
 
 def pack(w: QuantWeight, group: int) -> torch.Tensor:
@@ -219,9 +251,14 @@ def _head_orders(n: int, cfg) -> list[torch.Tensor | None]:
 
 
 def weights_of(model: torch.nn.Module) -> dict[str, QuantWeight] | None:
-    """The quantized weights a model loaded with ``dtype="quantized"`` carries (``loading``), by module
-    name, or None: a model on dense weights."""
+    """The quantized weights a model loaded with ``dtype="quantized"`` or ``"q8"`` carries (``loading``),
+    by module name, or None: a model on dense weights."""
     return getattr(model, "speculant_quantized", None)
+
+
+def int8_activations(model: torch.nn.Module) -> bool:
+    """Whether a model's quantized weights multiply int8-quantized activations (``dtype="q8"``)."""
+    return bool(getattr(model, "speculant_int8", False))
 
 
 def read(model: torch.nn.Module, path: Path | None = None) -> dict[str, QuantWeight]:

@@ -38,8 +38,9 @@ from ..models.cpu_kernels import machine_key
 from ..models.fast import supports
 from ..models.loading import _LOADED, cache_dir, load_model, resolve_model_folder, resolve_model_path
 
-CANDIDATES = ("float32", "bfloat16", "quantized")  # quantized: for a .gguf target only (see candidates)
-CHOICE_VERSION = 2  # in the cache key: choices made before quantized weights were a candidate are made again
+# in the order of faithfulness to HF ``generate`` in float32 (see ``pick``); q8 and quantized: a .gguf target only
+CANDIDATES = ("float32", "quantized", "bfloat16", "q8")
+CHOICE_VERSION = 3  # in the cache key: choices made before q8 and the measuring bound are made again
 # a request of the usual shape: some context (its prefill counts: on AVX2 a bf16 prefill costs ~6x a
 # float32 one, 12 against 2 ms a token for the default model) and a question about it
 PROMPT = (
@@ -54,7 +55,12 @@ PROMPT = (
     "heavy load strains the chain and can make it slip.\n\n"
     "Question: why does a low gear make riding uphill easier, and when should a rider shift?"
 )
-NEW_TOKENS = 40
+NEW_TOKENS = 24  # a timed request's new tokens (after a warm-up request of WARMUP_TOKENS)
+WARMUP_TOKENS = 8
+# the measuring stops within about this many seconds however slow or loaded the machine: a candidate
+# whose timed request would end past it keeps its warm-up's rate (an upper bound), and candidates not
+# reached by then are not measured (said so)
+MEASURE_BOUND_S = 45.0
 
 
 @dataclass
@@ -110,25 +116,29 @@ def choose(spec: str, drafter: str | None = "none", log=None) -> Choice:
     return choice
 
 
-def measure(spec: str, drafter: str | None = "none", rounds: int = 2, log=lambda msg: None) -> Choice:
-    """Time a greedy request (``PROMPT``) with each candidate dtype and the drafter, interleaved, and keep
-    the fastest (ms per new token, prefill included). ``log`` hears of the measuring only once both
-    are loaded: a bad drafter spec has failed by then, with its own one-line error and nothing else."""
-    runs, path = {}, best_path(spec)
-    names = candidates(spec, path)
-    for dtype in names:
-        lm = load_model(spec, device="cpu", dtype=dtype)
-        gen = Generator(lm, make_drafter(default_drafter(lm) if drafter is None else drafter, lm), None, path)
-        prompt = gen.encode(PROMPT)[-max(8, lm.context_length - NEW_TOKENS - 1):]  # fits a short context
-        runs[dtype] = lambda g=gen, p=prompt: _request(g, p)
-    log(f"speculant: measuring which dtype generates fastest on this CPU with drafter {_drafter_key(drafter)} "
-        f"(once for this machine, model and drafter; cached in {_cache_file()}: delete it to measure again)")
-    best = {dtype: float("inf") for dtype in names}
-    for dtype in names:  # warm-up: allocator, oneDNN primitives, the engine's cost model
-        runs[dtype]()
-    for _ in range(rounds):
-        for dtype in names:
-            best[dtype] = min(best[dtype], runs[dtype]())
+def measure(spec: str, drafter: str | None = "none", rounds: int = 1, log=lambda msg: None,
+            bound_s: float = MEASURE_BOUND_S) -> Choice:
+    """Time a greedy request (``PROMPT``) with each candidate dtype and the drafter, the likely fastest
+    first, and keep the best by ``pick`` (ms per new token, prefill included), within ``bound_s``
+    seconds. ``log`` hears of the measuring only once the first candidate is built: a bad drafter
+    spec has failed by then, with its own one-line error and nothing else."""
+    path = best_path(spec)
+    names = sorted(candidates(spec, path), key=MEASURING_ORDER.index)
+    first = _generator(spec, names[0], drafter, path)
+    log(f"speculant: measuring which dtype generates fastest on this CPU with drafter {_drafter_key(drafter)}: "
+        f"{', '.join(names)}, at most ~{bound_s:.0f} s (once for this machine, model and drafter; cached in "
+        f"{_cache_file()}: delete it to measure again)")
+    start, best = time.perf_counter(), {}
+    for i, dtype in enumerate(names):
+        if best and time.perf_counter() - start > bound_s:
+            log(f"speculant: {bound_s:.0f} s spent measuring: {', '.join(names[i:])} not measured")
+            break
+        gen, prompt = first if i == 0 else _generator(spec, dtype, drafter, path)
+        warm = _request(gen, prompt, WARMUP_TOKENS)  # allocator, oneDNN primitives, the engine's cost model
+        left = bound_s - (time.perf_counter() - start)
+        timed = [] if warm * NEW_TOKENS / 1e3 > left else [_request(gen, prompt, NEW_TOKENS) for _ in range(rounds)]
+        best[dtype] = min(timed, default=warm)
+        log(f"speculant:   {dtype}: {best[dtype]:.1f} ms/token" + ("" if timed else " (its warm-up: the bound was near)"))
     winner = pick(best)
     kept = load_model(spec, device="cpu", dtype=winner)
     for key in [k for k, v in _LOADED.items() if v is not kept and k[1] == "cpu"]:
@@ -139,33 +149,48 @@ def measure(spec: str, drafter: str | None = "none", rounds: int = 2, log=lambda
     return choice
 
 
-# bfloat16 or quantized weights must be this much faster to be chosen: float32's greedy output is HF's
-# token for token (theirs parts from HF's at near-ties), and a smaller gap is within a busy machine's
-# noise (measured beside another process: bf16 1030.5 against float32 1037.1 ms a token, then 2.5x
-# slower in use)
-BF16_MUST_WIN_BY = 0.10
+# the measuring order: the likely fastest first, so a bound reached early still saw them
+MEASURING_ORDER = ("q8", "quantized", "float32", "bfloat16")
+
+
+def _generator(spec: str, dtype: str, drafter: str | None, path: str):
+    lm = load_model(spec, device="cpu", dtype=dtype)
+    gen = Generator(lm, make_drafter(default_drafter(lm) if drafter is None else drafter, lm), None, path)
+    return gen, gen.encode(PROMPT)[-max(8, lm.context_length - NEW_TOKENS - 1):]  # fits a short context
+
+
+# a dtype further from HF's float32 arithmetic must be this much faster than each closer one to be
+# chosen: float32's greedy output is HF's token for token, quantized weights' parts from it only at
+# near-ties, bfloat16 and q8 (int8 activations) more often; and a smaller gap is within a busy
+# machine's noise (measured beside another process: bf16 1030.5 against float32 1037.1 ms a token,
+# then 2.5x slower in use)
+MUST_WIN_BY = 0.10
 
 
 def pick(ms_per_token: dict) -> str:
-    """The dtype to run from measured ms per token: the fastest of bfloat16 and quantized weights
-    where it beats float32 by a clear margin, else float32."""
-    fp32 = ms_per_token.get("float32", float("inf"))
-    rivals = {d: ms for d, ms in ms_per_token.items() if d != "float32"}
-    best = min(rivals, key=rivals.get, default=None)
-    return best if best is not None and rivals[best] < (1 - BF16_MUST_WIN_BY) * fp32 else "float32"
+    """The dtype to run from measured ms per token: going from the most faithful to HF's float32
+    arithmetic (``CANDIDATES``' order) to the least, a dtype replaces the choice so far only where
+    it is faster by a clear margin."""
+    chosen = None
+    for dtype in CANDIDATES:
+        ms = ms_per_token.get(dtype)
+        if ms is not None and (chosen is None or ms < (1 - MUST_WIN_BY) * ms_per_token[chosen]):
+            chosen = dtype
+    return chosen or "float32"
 
 
 def candidates(spec: str, path: str) -> tuple[str, ...]:
-    """float32 and bfloat16; quantized weights too for a .gguf target on the fast path whose kernels
-    build on this machine (``models/quantized.py``)."""
+    """float32 and bfloat16; quantized weights too, with float32 and with int8 activations, for a .gguf
+    target on the fast path whose kernels build on this machine (``models/quantized.py``)."""
     from ..models import quantized  # the kernels' build: only when a GGUF could use them
 
+    dense = ("float32", "bfloat16")
     if path != "fast" or not resolve_model_path(spec).is_file() or quantized.kernels() is None:
-        return CANDIDATES[:2]
+        return dense
     try:
         load_model(spec, device="cpu", dtype="quantized")
     except SpeculantError:  # no linear in a format with a kernel
-        return CANDIDATES[:2]
+        return dense
     return CANDIDATES
 
 
@@ -178,8 +203,8 @@ def _folder_of(spec: str) -> Path:
     return resolve_model_folder(spec)[0].resolve()
 
 
-def _request(gen, prompt: list[int]) -> float:
+def _request(gen, prompt: list[int], new_tokens: int) -> float:
     """Milliseconds per new token of one greedy request."""
     t = time.perf_counter()
-    out = gen.generate_ids([prompt], max_new_tokens=NEW_TOKENS)[0]
+    out = gen.generate_ids([prompt], max_new_tokens=new_tokens)[0]
     return (time.perf_counter() - t) / max(1, len(out.token_ids)) * 1e3

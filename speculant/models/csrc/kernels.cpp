@@ -22,17 +22,28 @@ const at::Tensor& rows_of_float(const at::Tensor& t, int64_t width) {
   return t;
 }
 
+// A quantized linear's tensors from Python: (packed weight, bias [N], zeros for none). The packed
+// weight's layout says which kernels multiply with it: [groups of 4, blocks, 4, record] float32
+// activations (core/quant.h); [groups of 16, blocks, bytes a block] int8 activations (core/q8.h).
 spk::Linear linear_of(const std::vector<at::Tensor>& t, int64_t bits, int64_t K) {
-  TORCH_CHECK(t.size() == 2 && K % spk::BLOCK == 0, "a quantized linear is (packed, bias); in_features a multiple of 32");
+  TORCH_CHECK(t.size() == 2 && K % spk::BLOCK == 0 && (bits == 4 || bits == 8),
+              "a quantized linear is (packed, bias) of 4- or 8-bit codes; in_features a multiple of 32");
   TORCH_CHECK(t[1].scalar_type() == at::kFloat && t[1].is_contiguous() && t[1].dim() == 1, "bias: float32 [N]");
-  const int64_t blocks = K / spk::BLOCK, record = spk::record_bytes(static_cast<int>(bits)), N = t[1].numel();
+  const int64_t blocks = K / spk::BLOCK, N = t[1].numel();
   const at::Tensor& p = t[0];
-  TORCH_CHECK(p.scalar_type() == at::kByte && p.is_contiguous() && p.dim() == 4 && p.size(1) == blocks &&
-                  p.size(2) == spk::GROUP && p.size(3) == record,
-              "packed weight: uint8 [groups, ", blocks, ", ", spk::GROUP, ", ", record, "]");
-  TORCH_CHECK(p.size(0) == (N + spk::GROUP - 1) / spk::GROUP, "packed weight: ", (N + spk::GROUP - 1) / spk::GROUP,
-              " groups for ", N, " outputs");
-  return {{p.data_ptr<uint8_t>(), N, K, static_cast<int>(bits)}, t[1].data_ptr<float>()};
+  TORCH_CHECK(p.scalar_type() == at::kByte && p.is_contiguous(), "packed weight: contiguous uint8");
+  const spk::QWeights w{p.data_ptr<uint8_t>(), N, K, static_cast<int>(bits)};
+  if (p.dim() == 3) {
+    const int64_t groups = (N + spk::Q8_GROUP - 1) / spk::Q8_GROUP, bytes = spk::q8_block_bytes(static_cast<int>(bits));
+    TORCH_CHECK(p.size(0) == groups && p.size(1) == blocks && p.size(2) == bytes, "int8 packed weight: uint8 [",
+                groups, ", ", blocks, ", ", bytes, "]");
+    return {w, t[1].data_ptr<float>(), true};
+  }
+  const int64_t record = spk::record_bytes(static_cast<int>(bits)), groups = (N + spk::GROUP - 1) / spk::GROUP;
+  TORCH_CHECK(p.dim() == 4 && p.size(0) == groups && p.size(1) == blocks && p.size(2) == spk::GROUP &&
+                  p.size(3) == record,
+              "packed weight: uint8 [", groups, ", ", blocks, ", ", spk::GROUP, ", ", record, "]");
+  return {w, t[1].data_ptr<float>(), false};
 }
 
 template <typename T, typename A>
@@ -170,5 +181,23 @@ at::Tensor norm(const at::Tensor& h, const at::Tensor& ln, double eps) {
 // Outputs a group of the packed layout holds (every ISA).
 int64_t group_size() { return spk::GROUP; }
 
-// The ISA branch this build compiled (core/simd.h): "avx512", "avx2", "neon" or "generic".
+// x [M, K] float32 quantized as the int8 kernels quantize each row: (codes int8 [M, K], d float32
+// [M, K / 32], sum of the codes int32 [M, K / 32]), for the tests' reference.
+std::vector<at::Tensor> q8_quantize(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % spk::BLOCK == 0, "x: [M, K], K a multiple of 32");
+  const int64_t M = x.size(0), K = x.size(1);
+  rows_of_float(x, K);
+  spk::Q8Rows a;
+  spk::quantize_rows(x.data_ptr<float>(), M, K, a);
+  auto q = torch::empty({M, K}, x.options().dtype(at::kChar));
+  auto d = torch::empty({M, K / spk::BLOCK}, x.options());
+  auto sum = torch::empty({M, K / spk::BLOCK}, x.options().dtype(at::kInt));
+  std::memcpy(q.data_ptr<int8_t>(), a.q.data(), M * K);
+  std::memcpy(d.data_ptr<float>(), a.d.data(), d.numel() * 4);
+  std::memcpy(sum.data_ptr<int32_t>(), a.sum.data(), sum.numel() * 4);
+  return {q, d, sum};
+}
+
+// The ISA branch this build compiled (core/simd.h): "avx512-vnni", "avx512", "avx2", "neon-dotprod",
+// "neon" or "generic".
 std::string isa() { return spk::ISA; }

@@ -58,6 +58,23 @@ std::vector<uint8_t> random_packed(Random& rng, int64_t N, int64_t K, int bits) 
   return p;
 }
 
+// a packed weight of the int8 kernels' layout (q8.h): random codes, scales and mins
+std::vector<uint8_t> random_q8_packed(Random& rng, int64_t N, int64_t K, int bits) {
+  const int64_t groups = (N + spk::Q8_GROUP - 1) / spk::Q8_GROUP, blocks = K / spk::BLOCK;
+  const int64_t bytes = spk::q8_block_bytes(bits);
+  std::vector<uint8_t> p(groups * blocks * bytes);
+  for (int64_t i = 0; i < groups * blocks; ++i) {
+    uint8_t* b = &p[i * bytes];
+    for (int o = 0; o < 16; ++o) {
+      const float scale = rng.uniform(0.001f, 0.05f), min = rng.uniform(-0.4f, 0.0f);
+      std::memcpy(b + 4 * o, &scale, 4);
+      if (bits == 4) std::memcpy(b + 64 + 4 * o, &min, 4);
+    }
+    for (int64_t j = bits == 4 ? 128 : 64; j < bytes; ++j) b[j] = static_cast<uint8_t>(rng.next());
+  }
+  return p;
+}
+
 void check_rows(const std::string& name, const std::vector<float>& block, const std::vector<float>& alone) {
   if (block != alone) {
     std::printf("FAIL %s: a row's bits depend on the block\n", name.c_str());
@@ -65,19 +82,19 @@ void check_rows(const std::string& name, const std::vector<float>& block, const 
   }
 }
 
-void linears(Random& rng) {
+void linears(Random& rng, bool int8) {
   const int64_t shapes[][2] = {{150, 544}, {64, 32}, {13, 64}, {96, 1536}};
   for (int bits : {4, 8})
     for (const auto& s : shapes) {
       const int64_t N = s[0], K = s[1];
-      const auto packed = random_packed(rng, N, K, bits);
+      const auto packed = int8 ? random_q8_packed(rng, N, K, bits) : random_packed(rng, N, K, bits);
       const auto bias = rng.floats(N, -1, 1);
-      const spk::Linear l{{packed.data(), N, K, bits}, bias.data()};
+      const spk::Linear l{{packed.data(), N, K, bits}, bias.data(), int8};
       const int64_t M = 19;
       const auto x = rng.floats(M * K, -2, 2);
       std::vector<float> alone(M * N);
       for (int64_t r = 0; r < M; ++r) spk::apply(l, x.data() + r * K, 1, alone.data() + r * N, spk::serial_for);
-      const std::string name = "linear q" + std::to_string(bits) + " " + std::to_string(N) + "x" + std::to_string(K);
+      const std::string name = std::string(int8 ? "int8 " : "") + "linear q" + std::to_string(bits) + " " + std::to_string(N) + "x" + std::to_string(K);
       for (int64_t m : {2, 3, 4, 5, 7, 8, 9, 16, 19}) {
         std::vector<float> y(m * N);
         spk::apply(l, x.data(), m, y.data(), spk::serial_for);
@@ -115,8 +132,9 @@ void layers(Random& rng) {
   const auto pg = random_packed(rng, 2 * I, H, 4), pd = random_packed(rng, H, I, 4);
   const auto bq = rng.floats((heads + 2 * kv) * D, -0.1f, 0.1f), zo = std::vector<float>(H, 0.f);
   const auto zg = std::vector<float>(2 * I, 0.f);
-  const spk::Linear lq{{pq.data(), (heads + 2 * kv) * D, H, 4}, bq.data()}, lo{{po.data(), H, heads * D, 8}, zo.data()};
-  const spk::Linear lg{{pg.data(), 2 * I, H, 4}, zg.data()}, ld{{pd.data(), H, I, 4}, zo.data()};
+  const spk::Linear lq{{pq.data(), (heads + 2 * kv) * D, H, 4}, bq.data(), false};
+  const spk::Linear lo{{po.data(), H, heads * D, 8}, zo.data(), false};
+  const spk::Linear lg{{pg.data(), 2 * I, H, 4}, zg.data(), false}, ld{{pd.data(), H, I, 4}, zo.data(), false};
   const auto h = rng.floats(B * T * H, -1, 1), ln1 = rng.floats(H, 0.8f, 1.2f), ln2 = rng.floats(H, 0.8f, 1.2f);
   const auto cos = rng.floats(B * T * D, -1, 1), sin = rng.floats(B * T * D, -1, 1);
   std::vector<float> kc = rng.floats(B * kv * S * D, -1, 1), vc = rng.floats(B * kv * S * D, -1, 1);
@@ -142,7 +160,8 @@ void layers(Random& rng) {
 int main() {
   Random rng{42};
   std::printf("isa %s\n", spk::ISA);
-  linears(rng);
+  linears(rng, false);
+  linears(rng, true);
   attention<float>(rng, "float32");
   attention<spk::bf16>(rng, "bfloat16");
   attention<spk::f16>(rng, "float16");

@@ -66,4 +66,40 @@ inline void dequant(const uint8_t* codes, float scale, float min, V16& lo, V16& 
 // Float kernel tiles (outputs x rows a tile takes together): plain loops, one row at a time.
 constexpr int ONE_ROW_OUTS = 1, NARROW_OUTS = 1, NARROW_ROWS = 4, WIDE_FROM = 1 << 30, WIDE_OUTS = 1, WIDE_ROWS = 4;
 
+// ---- int8 activations (q8.h): 16 outputs in 16 int32 lanes
+
+struct I16 {
+  int32_t v[16];
+};
+
+inline V16 to_float16(const I16& a) {
+  V16 r;
+  for (int i = 0; i < 16; ++i) r.v[i] = static_cast<float>(a.v[i]);
+  return r;
+}
+
+// For R rows: lane o of out[r] = sum over the block's 32 inputs of code(o, k) * x[r][k], exact.
+// Codes (q8.h's layout): 4-bit, 4 chunks x 16 outputs x 4 bytes (low nibbles inputs 8c + j, high
+// nibbles 8c + 4 + j); 8-bit, 8 chunks x 16 outputs x 4 signed bytes (inputs 4c + j).
+template <int BITS, int R>
+inline void dot_rows(const uint8_t* codes, const int8_t* const* x, const int32_t*, I16* out) {
+  for (int r = 0; r < R; ++r)
+    for (int o = 0; o < 16; ++o) {
+      int32_t sum = 0;
+      if (BITS == 4) {
+        for (int c = 0; c < 4; ++c)
+          for (int j = 0; j < 4; ++j) {
+            const uint8_t b = codes[(c * 16 + o) * 4 + j];
+            sum += (b & 15) * x[r][8 * c + j] + (b >> 4) * x[r][8 * c + 4 + j];
+          }
+      } else {
+        for (int c = 0; c < 8; ++c)
+          for (int j = 0; j < 4; ++j) sum += int8_t(codes[(c * 16 + o) * 4 + j]) * x[r][4 * c + j];
+      }
+      out[r].v[o] = sum;
+    }
+}
+
+constexpr int Q8_ROWS = 1;  // rows a q8 tile takes together
+
 }  // namespace spk

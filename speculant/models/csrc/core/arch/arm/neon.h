@@ -10,7 +10,11 @@
 
 namespace spk {
 
+#if defined(__ARM_FEATURE_DOTPROD)
+constexpr const char* ISA = "neon-dotprod";
+#else
 constexpr const char* ISA = "neon";
+#endif
 
 struct V16 {
   float32x4_t q[4];  // lanes 0-3, 4-7, 8-11, 12-15
@@ -76,5 +80,60 @@ inline void dequant(const uint8_t* codes, float scale, float min, V16& lo, V16& 
 
 // Float kernel tiles (not measured on ARM hardware): 16 accumulators of 4 lanes at most.
 constexpr int ONE_ROW_OUTS = 4, NARROW_OUTS = 2, NARROW_ROWS = 2, WIDE_FROM = 4, WIDE_OUTS = 1, WIDE_ROWS = 4;
+
+// ---- int8 activations (q8.h): 16 outputs in four registers of 4 int32 lanes. With the dot-product
+// extension, sdot adds each lane's 4 byte products into it; without, vmull_s8, a pairwise add (at
+// most 2 * 128 * 127 < 32768) and vpadalq (into int32) do the same.
+
+struct I16 {
+  int32x4_t q[4];
+};
+
+inline V16 to_float16(const I16& i) {
+  V16 r;
+  for (int k = 0; k < 4; ++k) r.q[k] = vcvtq_f32_s32(i.q[k]);
+  return r;
+}
+
+inline int8x16_t x4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return vreinterpretq_s8_s32(vdupq_n_s32(v));
+}
+
+inline int32x4_t dot4(int32x4_t acc, int8x16_t w, int8x16_t x) {
+#if defined(__ARM_FEATURE_DOTPROD)
+  return vdotq_s32(acc, w, x);
+#else
+  const int16x8_t pairs = vpaddq_s16(vmull_s8(vget_low_s8(w), vget_low_s8(x)), vmull_high_s8(w, x));
+  return vpadalq_s16(acc, pairs);
+#endif
+}
+
+template <int BITS, int R>
+inline void dot_rows(const uint8_t* codes, const int8_t* const* x, const int32_t*, I16* out) {
+  int32x4_t acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < 4; ++k) acc[r][k] = vdupq_n_s32(0);
+  if constexpr (BITS == 4) {
+    for (int c = 0; c < 4; ++c)
+      for (int k = 0; k < 4; ++k) {
+        const uint8x16_t v = vld1q_u8(codes + 64 * c + 16 * k);
+        const int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(v, vdupq_n_u8(15)));
+        const int8x16_t hi = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));
+        for (int r = 0; r < R; ++r) acc[r][k] = dot4(dot4(acc[r][k], lo, x4(x[r] + 8 * c)), hi, x4(x[r] + 8 * c + 4));
+      }
+  } else {
+    for (int c = 0; c < 8; ++c)
+      for (int k = 0; k < 4; ++k) {
+        const int8x16_t v = vld1q_s8(reinterpret_cast<const int8_t*>(codes + 64 * c + 16 * k));
+        for (int r = 0; r < R; ++r) acc[r][k] = dot4(acc[r][k], v, x4(x[r] + 4 * c));
+      }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < 4; ++k) out[r].q[k] = acc[r][k];
+}
+
+constexpr int Q8_ROWS = 2;
 
 }  // namespace spk

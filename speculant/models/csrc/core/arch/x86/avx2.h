@@ -63,4 +63,51 @@ inline void dequant(const uint8_t* codes, float scale, float min, V16& lo, V16& 
 // Float kernel tiles: one row, 4 outputs (8 accumulators); a few rows, 2 x 2; many rows, 1 x 4.
 constexpr int ONE_ROW_OUTS = 4, NARROW_OUTS = 2, NARROW_ROWS = 2, WIDE_FROM = 4, WIDE_OUTS = 1, WIDE_ROWS = 4;
 
+// ---- int8 activations (q8.h): 16 outputs in two registers of 8 int32 lanes. vpmaddubsw multiplies
+// unsigned by signed bytes and adds pairs into int16 (4-bit codes: at most 15 * 127 * 2, no
+// saturation; 8-bit codes go as |code| with x's sign flipped where the code is negative: at most
+// 128 * 127 * 2 < 32768), vpmaddwd adds pairs into int32: each lane one output's 4 products.
+
+struct I16 {
+  __m256i a, b;
+};
+
+inline V16 to_float16(const I16& i) { return {_mm256_cvtepi32_ps(i.a), _mm256_cvtepi32_ps(i.b)}; }
+
+inline __m256i x4(const int8_t* p) {  // 4 inputs, broadcast to every output's lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+
+template <int BITS, int R>
+inline void dot_rows(const uint8_t* codes, const int8_t* const* x, const int32_t*, I16* out) {
+  __m256i acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+  if constexpr (BITS == 4) {
+    const __m256i mask = _mm256_set1_epi8(15);
+    for (int c = 0; c < 4; ++c)
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * c + 32 * h));
+        const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        for (int r = 0; r < R; ++r)
+          acc[r][h] = dot_u8s8(dot_u8s8(acc[r][h], lo, x4(x[r] + 8 * c)), hi, x4(x[r] + 8 * c + 4));
+      }
+  } else {
+    for (int c = 0; c < 8; ++c)
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * c + 32 * h));
+        const __m256i mag = _mm256_abs_epi8(v);
+        for (int r = 0; r < R; ++r) acc[r][h] = dot_u8s8(acc[r][h], mag, _mm256_sign_epi8(x4(x[r] + 4 * c), v));
+      }
+  }
+  for (int r = 0; r < R; ++r) out[r] = {acc[r][0], acc[r][1]};
+}
+
+constexpr int Q8_ROWS = 2;
+
 }  // namespace spk

@@ -10,7 +10,11 @@
 
 namespace spk {
 
+#if defined(__AVX512VNNI__)
+constexpr const char* ISA = "avx512-vnni";
+#else
 constexpr const char* ISA = "avx512";
+#endif
 
 struct V16 {
   __m512 a;
@@ -53,5 +57,65 @@ inline void dequant(const uint8_t* codes, float scale, float min, V16& lo, V16& 
 
 // Float kernel tiles: 4 outputs x 4 rows; from 8 rows 2 outputs x 8 rows (a block dequantized for more rows).
 constexpr int ONE_ROW_OUTS = 4, NARROW_OUTS = 4, NARROW_ROWS = 4, WIDE_FROM = 8, WIDE_OUTS = 2, WIDE_ROWS = 8;
+
+// ---- int8 activations (q8.h): 16 outputs in one register of 16 int32 lanes. With VNNI, vpdpbusd
+// adds each lane's 4 unsigned-by-signed byte products into it (8-bit codes go offset by 128 as
+// unsigned bytes, and 128 * sum(x) comes off after); without, vpmaddubsw and vpmaddwd as on AVX2.
+
+struct I16 {
+  __m512i a;
+};
+
+inline V16 to_float16(const I16& i) { return {_mm512_cvtepi32_ps(i.a)}; }
+
+inline __m512i x4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+inline __m512i dot_u8s8(__m512i acc, __m512i u, __m512i s) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(acc, u, s);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+#endif
+}
+
+template <int BITS, int R>
+inline void dot_rows(const uint8_t* codes, const int8_t* const* x, const int32_t* sumq, I16* out) {
+  __m512i acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
+  if constexpr (BITS == 4) {
+    const __m512i mask = _mm512_set1_epi8(15);
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_loadu_si512(codes + 64 * c);
+      const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+      for (int r = 0; r < R; ++r) acc[r] = dot_u8s8(dot_u8s8(acc[r], lo, x4(x[r] + 8 * c)), hi, x4(x[r] + 8 * c + 4));
+    }
+  } else {
+#if defined(__AVX512VNNI__)
+    const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int c = 0; c < 8; ++c) {
+      const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(codes + 64 * c), offset);  // code + 128
+      for (int r = 0; r < R; ++r) acc[r] = dot_u8s8(acc[r], u, x4(x[r] + 4 * c));
+    }
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(128 * sumq[r]));
+#else
+    for (int c = 0; c < 8; ++c) {
+      const __m512i v = _mm512_loadu_si512(codes + 64 * c);
+      const __m512i mag = _mm512_abs_epi8(v);
+      const __mmask64 negative = _mm512_movepi8_mask(v);
+      for (int r = 0; r < R; ++r) {
+        const __m512i xs = x4(x[r] + 4 * c);
+        acc[r] = dot_u8s8(acc[r], mag, _mm512_mask_sub_epi8(xs, negative, _mm512_setzero_si512(), xs));
+      }
+    }
+#endif
+  }
+  for (int r = 0; r < R; ++r) out[r] = {acc[r]};
+}
+
+constexpr int Q8_ROWS = 4;
 
 }  // namespace spk

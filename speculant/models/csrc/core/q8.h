@@ -1,0 +1,132 @@
+// Linear layers over GGUF blocks with int8 activations (``dtype="q8"``): the scheme llama.cpp uses.
+//
+// Each row of x is quantized alone, in blocks of 32 inputs: d = max|x| / 127, q = x / d rounded to
+// the nearest integer (ties to even), with sum(q) kept. A block of a weight row is w = scale * code +
+// min (quant.h's block format), so its dot product with a block of x is
+//     scale * d * sum(code * q) + min * d * sum(q),
+// where sum(code * q) is an integer: exact in any order, on any ISA (vpdpbusd, vpmaddubsw, sdot, or
+// plain C++). The float part is fixed: per output, over the blocks in order,
+//     acc = fma(float(sum(code * q)), scale * d, acc);  acc = fma(min, d * float(sum(q)), acc)
+// (the second only for 4-bit codes, whose min is not zero), then y = acc + bias. A row's values
+// depend on that row alone: width-invariant, and the same bits on every ISA branch.
+//
+// Layout, lanes over outputs (an output per int32 lane: no horizontal sums): outputs in groups of
+// 16, and per group block after block: 16 float32 scales, 16 float32 mins (4-bit only), then the
+// codes: 4-bit, 4 chunks x 16 outputs x 4 bytes (byte j's low nibble is input 8c + j, its high
+// nibble input 8c + 4 + j); 8-bit, 8 chunks x 16 outputs x 4 signed bytes (input 4c + j).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "parallel.h"
+#include "quant.h"
+#include "simd.h"
+#include "vector.h"
+
+namespace spk {
+
+constexpr int64_t Q8_GROUP = 16;
+
+inline int64_t q8_block_bytes(int bits) { return bits == 4 ? 64 + 64 + 256 : 64 + 512; }
+
+// a row of x quantized in blocks of 32: codes, and per block d, sum(q) and d * sum(q)
+struct Q8Rows {
+  std::vector<int8_t> q;
+  std::vector<float> d, dsum;
+  std::vector<int32_t> sum;
+};
+
+inline void quantize_rows(const float* x, int64_t M, int64_t K, Q8Rows& out) {
+  const int64_t blocks = K / BLOCK;
+  out.q.resize(M * K), out.d.resize(M * blocks), out.dsum.resize(M * blocks), out.sum.resize(M * blocks);
+  const vf round = vf{} + 12582912.0f;  // 1.5 * 2^23: (v + round) - round is v rounded to nearest, ties to even
+  for (int64_t i = 0; i < M * blocks; ++i) {
+    const vf lo = vload(x + i * BLOCK), hi = vload(x + i * BLOCK + LANES);
+    vf a = lo < 0.0f ? -lo : lo, b = hi < 0.0f ? -hi : hi;
+    a = a > b ? a : b;
+    float amax = 0.0f;
+    for (int l = 0; l < LANES; ++l) amax = std::max(amax, a[l]);  // a max: exact in any order
+    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    const vi ql = __builtin_convertvector((lo * id + round) - round, vi);
+    const vi qh = __builtin_convertvector((hi * id + round) - round, vi);
+    int32_t s = 0;
+    for (int l = 0; l < LANES; ++l) {
+      out.q[i * BLOCK + l] = static_cast<int8_t>(ql[l]);
+      out.q[i * BLOCK + LANES + l] = static_cast<int8_t>(qh[l]);
+      s += ql[l] + qh[l];
+    }
+    out.d[i] = d, out.sum[i] = s, out.dsum[i] = d * static_cast<float>(s);
+  }
+}
+
+struct Q8Weights {
+  const uint8_t* packed;  // [groups, blocks, q8_block_bytes]
+  int64_t N, K;
+  int bits;
+  int64_t blocks() const { return K / BLOCK; }
+  const uint8_t* block_of(int64_t group, int64_t b) const {
+    return packed + (group * blocks() + b) * q8_block_bytes(bits);
+  }
+};
+
+// R rows (from m0) against the 16 outputs of one group; y's columns from n0 (fewer where N ends)
+template <int BITS, int R>
+inline void q8_tile(const Q8Rows& a, int64_t m0, const Q8Weights& w, int64_t group, const float* bias, float* y) {
+  const int64_t K = w.K, blocks = w.blocks(), n0 = group * Q8_GROUP;
+  V16 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = zero16();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = w.block_of(group, b);
+    const int8_t* x[R];
+    int32_t sums[R];
+    for (int r = 0; r < R; ++r) x[r] = a.q.data() + (m0 + r) * K + b * BLOCK, sums[r] = a.sum[(m0 + r) * blocks + b];
+    I16 dots[R];
+    dot_rows<BITS, R>(blk + (BITS == 4 ? 128 : 64), x, sums, dots);
+    const V16 scale = load16(reinterpret_cast<const float*>(blk));
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (m0 + r) * blocks + b;
+      acc[r] = fma16(to_float16(dots[r]), mul16(scale, set16(a.d[i])), acc[r]);
+      if (BITS == 4) acc[r] = fma16(load16(reinterpret_cast<const float*>(blk + 64)), set16(a.dsum[i]), acc[r]);
+    }
+  }
+  const int64_t outs = std::min<int64_t>(Q8_GROUP, w.N - n0);
+  for (int r = 0; r < R; ++r) {
+    float v[16];
+    store16(v, acc[r]);
+    float* yr = y + (m0 + r) * w.N + n0;
+    for (int64_t o = 0; o < outs; ++o) yr[o] = v[o] + bias[n0 + o];
+  }
+}
+
+template <int BITS>
+inline void q8_group(const Q8Rows& a, int64_t M, const Q8Weights& w, int64_t group, const float* bias, float* y) {
+  int64_t m = 0;
+  for (; m + Q8_ROWS <= M; m += Q8_ROWS) q8_tile<BITS, Q8_ROWS>(a, m, w, group, bias, y);
+  switch (M - m) {
+    case 3: if constexpr (Q8_ROWS > 3) q8_tile<BITS, 3>(a, m, w, group, bias, y); break;
+    case 2: if constexpr (Q8_ROWS > 2) q8_tile<BITS, 2>(a, m, w, group, bias, y); break;
+    case 1: q8_tile<BITS, 1>(a, m, w, group, bias, y); break;
+    default: break;
+  }
+}
+
+// y [M, N] = x [M, K] @ w^T + bias [N], with x quantized row by row
+inline void q8_linear(const float* x, int64_t M, const Q8Weights& w, const float* bias, float* y,
+                      const ParallelFor& parallel) {
+  Q8Rows a;
+  quantize_rows(x, M, w.K, a);
+  const int64_t groups = (w.N + Q8_GROUP - 1) / Q8_GROUP;
+  parallel(groups, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      if (w.bits == 4)
+        q8_group<4>(a, M, w, g, bias, y);
+      else
+        q8_group<8>(a, M, w, g, bias, y);
+    }
+  });
+}
+
+}  // namespace spk

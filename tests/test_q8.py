@@ -1,0 +1,201 @@
+"""int8 activations (``dtype="q8"``, csrc/core/q8.h): each activation row quantized alone in blocks of
+32 (llama.cpp's Q8_0 scheme), integer dot products per block, the float scales applied in one fixed
+order.
+
+- The quantization of a row equals a plain numpy reference bit for bit (ties to even included).
+- The linear kernel equals a reference written with integer ops (exact block sums, then float64),
+  closely enough that one integer off in any block fails it, on every ISA branch (AVX-512 with and
+  without VNNI, AVX2, plain C++: csrc/harness adds NEON under qemu), at every width.
+- A decoder layer over int8 linears is width-invariant.
+- On a tiny quantized Llama in q8, every drafter gives plain q8 decoding's text (γ 1, 4, auto; alone
+  and batched), and every prompt's prefill runs the same kernels as the steps after it.
+"""
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+import speculant
+from speculant.errors import SpeculantError
+from speculant.models import quantized
+from speculant.models.loading import load_model
+from speculant.models.quantized import QuantLinear, QuantWeight
+from helpers import save_tiny_folder
+from test_invariance import KINDS as EVERY_DRAFTER, _prompts as invariance_prompts
+from test_quantized import ISA, _drafter_for, _quantized_tiny, needs_kernel
+
+Q8_ISA = ISA | {"avx512-novnni": ("-mno-avx512vnni",)}
+
+
+@pytest.fixture(params=sorted(Q8_ISA))
+def q8_kernels(request, monkeypatch):
+    import platform
+
+    if request.param != "native" and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("ISA flags for x86 only")
+    module = quantized.build(Q8_ISA[request.param])
+    if module is None:
+        pytest.skip("no C++ compiler for the CPU kernels")
+    monkeypatch.setattr(quantized, "kernels", lambda: module)
+    return module
+
+
+def reference_quantize(x: np.ndarray):
+    """x [M, K] float32 -> (codes int8, d float32 [M, K/32], sums int64): max|x| / 127, x * (1 / d)
+    rounded to nearest (ties to even), all in float32 as the kernel computes it."""
+    b = x.reshape(x.shape[0], -1, 32).astype(np.float32)
+    d = (np.abs(b).max(-1) / np.float32(127)).astype(np.float32)
+    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, np.float32(1)), np.float32(0)).astype(np.float32)
+    q = np.rint((b * inv[..., None]).astype(np.float32)).astype(np.int64)
+    return q.reshape(x.shape), d, q.sum(-1)
+
+
+def reference_linear(x: torch.Tensor, w: QuantWeight, bias) -> torch.Tensor:
+    """Integer block sums of codes and quantized x (exact, int64), scaled in float64."""
+    q, d, sums = reference_quantize(x.numpy())
+    n, k = w.shape
+    codes = w.signed_codes().to(torch.int64).view(n, k // 32, 32)
+    qx = torch.from_numpy(q).view(x.shape[0], k // 32, 32)
+    dots = torch.einsum("mbk,nbk->mnb", qx, codes).double()  # exact integers
+    d, sums = torch.from_numpy(d).double(), torch.from_numpy(sums).double()
+    y = (dots * (w.scale.double()[None] * d[:, None])).sum(-1) + (w.min.double()[None] * (d * sums)[:, None]).sum(-1)
+    return y + (0 if bias is None else bias.double())
+
+
+@needs_kernel
+def test_a_rows_quantization_is_the_references(q8_kernels):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 128, generator=g) * torch.tensor([0.01, 1.0, 30.0, 1e-6]).repeat_interleave(32)
+    x[3, :32] = 0  # a block of zeros: d = 0, every code 0
+    x[4, :32] = torch.tensor([127.0, 2.5, 3.5, -0.5, -1.5, 0.5] + [1.0] * 26)  # d = 1: ties go to even
+    q, d, sums = q8_kernels.q8_quantize(x)
+    rq, rd, rsums = reference_quantize(x.numpy())
+    assert np.array_equal(q.numpy(), rq) and np.array_equal(d.numpy(), rd) and np.array_equal(sums.numpy(), rsums)
+    assert q[4, 1:6].tolist() == [2, 4, 0, -2, 0]
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("out_features,in_features,bias", [(96, 64, False), (150, 544, True), (13, 32, False)])
+def test_int8_linear_width_invariant_and_the_integer_reference(q8_kernels, bits, out_features, in_features, bias):
+    g = torch.Generator().manual_seed(bits)
+    w = QuantWeight.quantize(torch.randn(out_features, in_features, generator=g), bits)
+    b = torch.randn(out_features, generator=g) if bias else None
+    lin = QuantLinear(w, b, int8=True)
+    x = torch.randn(70, in_features, generator=g)
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(len(x))])
+    for m in list(range(1, 18)) + [31, 32, 33, 64, 70]:
+        assert torch.equal(lin(x[:m]), alone[:m]), f"{m} rows"
+        assert torch.equal(lin(x[len(x) - m :]), alone[len(x) - m :]), f"the last {m} rows"
+    want = reference_linear(x, w, b)
+    # float32 rounding of ~17 block terms stays under 1e-4 here; one integer off in one block
+    # moves an output by scale * d, over 4e-3 for these weights
+    torch.testing.assert_close(alone.double(), want, rtol=0, atol=1e-4)
+
+
+@needs_kernel
+def test_every_isa_branch_gives_the_same_int8_bits(monkeypatch):
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("ISA flags for x86 only")
+    g = torch.Generator().manual_seed(11)
+    outs = {}
+    for bits in (4, 8):
+        w = QuantWeight.quantize(torch.randn(150, 544, generator=g), bits)
+        x = torch.randn(9, 544, generator=g)
+        for name, flags in Q8_ISA.items():
+            module = quantized.build(flags)
+            if module is None:
+                pytest.skip("no C++ compiler for the CPU kernels")
+            monkeypatch.setattr(quantized, "kernels", lambda: module)
+            outs[name, bits] = QuantLinear(w, int8=True)(x)
+        assert all(torch.equal(outs[n, bits], outs["native", bits]) for n in Q8_ISA), bits
+
+
+@needs_kernel
+def test_an_int8_layer_is_width_invariant(q8_kernels):
+    k = q8_kernels
+    g = torch.Generator().manual_seed(0)
+    H, heads, kv, D, inter, eps = 64, 4, 2, 16, 128, 1e-5
+    lin = {n: QuantLinear(QuantWeight.quantize(torch.randn(o, i, generator=g) * 0.2, bits), int8=True)
+           for n, o, i, bits in (("qkv", (heads + 2 * kv) * D, H, 4), ("o", H, heads * D, 8),
+                                 ("gu", 2 * inter, H, 4), ("down", H, inter, 4))}
+    ln = 1 + 0.1 * torch.randn(H, generator=g)
+    M = 19
+    h, attn = torch.randn(M, H, generator=g), torch.randn(M, heads * D, generator=g)
+    ang = torch.rand(M, D // 2, generator=g) * 6
+    cos, sin = torch.cat([ang.cos()] * 2, -1).contiguous(), torch.cat([ang.sin()] * 2, -1).contiguous()
+
+    def start(r):
+        return k.layer_start(h[r], ln, eps, lin["qkv"].args, 4, cos[r], sin[r], heads + kv, D)
+
+    def end(r):
+        return k.layer_end(h[r], attn[r], lin["o"].args, 8, ln, eps, lin["gu"].args, 4, lin["down"].args, 4)
+
+    for fn in (start, end):
+        alone = torch.cat([fn(slice(i, i + 1)) for i in range(M)])
+        for m in (2, 3, 4, 5, 8, 19):
+            assert torch.equal(fn(slice(0, m)), alone[:m])
+
+
+def _q8_tiny(seed: int = 0):
+    model = _quantized_tiny(seed)
+    model.speculant_int8 = True
+    return model
+
+
+@functools.cache
+def _tiny_plain_q8() -> list[list[int]]:
+    return [speculant.generate(_q8_tiny(), [p], drafter="none", max_new_tokens=32)[0].token_ids
+            for p in invariance_prompts(4)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", EVERY_DRAFTER)
+def test_tiny_q8_speculative_equals_plain_with_every_drafter(tmp_path, kind):
+    target = _q8_tiny()
+    plain = _tiny_plain_q8()
+    accepted = 0
+    for gamma in (1, 4, "auto"):
+        for batch in (1, 4):
+            outs = speculant.generate(target, invariance_prompts(batch), drafter=_drafter_for(kind, target, tmp_path),
+                                      gamma=gamma, max_new_tokens=32)
+            for i, out in enumerate(outs):
+                assert out.token_ids == plain[i], f"{kind} gamma={gamma} batch={batch} row {i}"
+                assert out.stats["exact"] == "bitwise" and out.stats["cpu_kernels"].startswith("q8 (int8")
+            accepted += sum(o.stats["accepted_draft_tokens"] for o in outs)
+    if kind != "dflash":  # a random DFlash block is (rightly) rejected
+        assert accepted > 0, "no draft was ever accepted"
+
+
+@needs_kernel
+def test_every_prompt_prefills_through_the_int8_kernels():
+    """In q8 a prompt of any length runs the passes' kernels: its logits and cache are those of
+    feeding it one token at a time (the mode is int8 arithmetic throughout)."""
+    from speculant.models import fast as fast_module
+
+    fast = fast_module.FastLlama(_q8_tiny(seed=4))
+    n = fast_module.QUANTIZED_PREFILL_MAX + 5
+    toks = torch.randint(0, 96, (1, n), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        keys, values = fast.new_cache(1, n + 4)
+        block = fast.prefill(toks, keys, values)
+        k1, v1 = fast.new_cache(1, n + 4)
+        steps = torch.cat([fast.forward(toks[:, i : i + 1], torch.tensor([[i]]), torch.tensor([[i]]), k1, v1)
+                           for i in range(n)], 1)
+    assert torch.equal(block, steps)
+    assert all(torch.equal(a, b) for a, b in zip(keys + values, k1 + v1))
+
+
+def test_q8_needs_a_gguf_on_the_cpu(tmp_path):
+    folder = save_tiny_folder(tmp_path / "tiny")
+    with pytest.raises(SpeculantError, match="'q8' needs a .gguf model"):
+        load_model(str(folder), device="cpu", dtype="q8")
+
+
+def test_q8_needs_the_compiled_kernels(monkeypatch):
+    monkeypatch.setattr(quantized, "kernels", lambda: None)
+    with pytest.raises(SpeculantError, match="needs the compiled CPU kernels"):
+        load_model("default", device="cpu", dtype="q8")
