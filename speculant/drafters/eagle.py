@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from ..models import quantized
 from ..models.cpu_kernels import pack_linears
 from ..models.fast import cat_rows
 from ..trained import eagle as trained
@@ -57,7 +58,7 @@ def load_eagle(folder: str, target: torch.nn.Module, target_name: str, dtype=Non
         return EagleNet({**cfg, "eagle_aux_hidden_state_layer_ids": taps}, own_embeddings)
 
     net = load_network(folder, target, target_name, build, "an EAGLE-3 network", dtype)
-    return EagleDrafter(pack_linears(net), target, label=str(folder))
+    return EagleDrafter(net if quantized.drafts_on_kernels(target) else pack_linears(net), target, label=str(folder))
 
 
 class EagleDrafter(Drafter):

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SpeculantError
+from ..models import quantized
 from ..models.backend import Backend
 from ..models.loading import LoadedModel, load_model, resolve_model_path
 from ..sampling import TokenHistory
@@ -137,7 +138,10 @@ def load_draft(path: str, target: LoadedModel, device=None, dtype=None) -> Loade
 
 
 def _make(spec: DrafterSpec, b: Build) -> Drafter:
-    draft = load_draft(spec.arg, b.target, b.device, b.dtype)
+    dtype = b.dtype
+    if quantized.drafts_on_kernels(b.target.model) and resolve_model_path(spec.arg).is_file() and b.device in (None, "cpu"):
+        dtype = "q8"  # a GGUF draft model beside a quantized target: its own blocks on the int8 kernels
+    draft = load_draft(spec.arg, b.target, b.device, dtype)
     if b.target.tokenizer is not None and not same_vocabulary(b.target.tokenizer, draft.tokenizer):
         return CrossTokenizerDrafter(draft.model, draft.tokenizer, b.target.tokenizer, label=draft.name)
     return ModelDrafter(draft.model, label=draft.name)

@@ -138,6 +138,43 @@ class QuantLinear:
 Q8_GROUP = 16  # outputs a group of the int8 kernels' layout holds (csrc/core/q8.h)
 
 
+def drafts_on_kernels(target: torch.nn.Module) -> bool:
+    """Whether draft networks beside this target run their linears on the CPU kernels (``kernel_linears``):
+    beside a quantized target, where the kernels build (a draft network on oneDNN's dense matmuls
+    cost more than the quantized target's own pass)."""
+    return bool(weights_of(target)) and kernels() is not None
+
+
+def kernel_linears(module: torch.nn.Module) -> torch.nn.Module:
+    """Give every ``nn.Linear`` of a small float32 CPU network (a drafter's) a forward through the
+    int8 kernels over its weights rounded to 8 bits per block of 32 (``QuantWeight.quantize``): a
+    draft network then streams a quarter of its float32 bytes and multiplies in integers, as the
+    target does. Its drafts change a little (they are only proposals: the output does not). q/k/v and
+    gate/up of a module that declares a slot for them (trained.blocks) become one matmul each.
+    Linears whose input width is not a multiple of 32 keep ``F.linear``. The weights stay as they
+    are (state dicts unchanged)."""
+    from .cpu_kernels import STACKED
+
+    def quantized_linear(parts: list[torch.nn.Linear]):
+        biases = [p.bias for p in parts]
+        bias = None if all(b is None for b in biases) else torch.cat(
+            [b.detach().float() if b is not None else torch.zeros(p.out_features) for p, b in zip(parts, biases)])
+        weight = torch.cat([p.weight.detach().float() for p in parts])
+        return QuantLinear(QuantWeight.quantize(weight, 8), bias, int8=True)
+
+    stacked = set()
+    for m in module.modules():
+        for slot, names in STACKED.items():
+            parts = [getattr(m, n, None) for n in names]
+            if hasattr(m, slot) and all(isinstance(p, torch.nn.Linear) and p.in_features % BLOCK == 0 for p in parts):
+                setattr(m, slot, quantized_linear(parts))
+                stacked.update(map(id, parts))
+    for m in module.modules():
+        if isinstance(m, torch.nn.Linear) and id(m) not in stacked and m.in_features % BLOCK == 0:
+            m.forward = quantized_linear([m])
+    return module
+
+
 def pack_int8(w: QuantWeight) -> torch.Tensor:
     """The int8-activation kernels' layout (csrc/core/q8.h): outputs in groups of 16 (zero rows fill
     the last), and per group, block after block: 16 float32 scales, 16 float32 mins (4-bit only), then

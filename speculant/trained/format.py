@@ -22,6 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from ..models import quantized
 from ..errors import SpeculantError
 
 SPECULATORS_VERSION = "0.9.0"
@@ -111,7 +112,8 @@ def shipped_drafters() -> list[Path]:
 
 def load_network(folder, target: torch.nn.Module, target_name: str, build, what: str, dtype=None) -> torch.nn.Module:
     """A trained drafter's network from its folder (``build(config)`` makes it), checked against
-    the target it runs with, on the target's device and in its dtype (or ``dtype``)."""
+    the target it runs with, on the target's device and in its dtype (or ``dtype``); beside a
+    quantized CPU target in float32 with its linears on the CPU kernels (``quantized.kernel_linears``)."""
     cfg = read_config(folder)
     with _malformed(folder, what):
         check_target(cfg, folder, target, target_name)
@@ -122,6 +124,8 @@ def load_network(folder, target: torch.nn.Module, target_name: str, build, what:
         raise SpeculantError(f"drafter '{folder}' does not match {what}: missing {missing[:3]}, "
                              f"unexpected {unexpected[:3]}")
     p = next(target.parameters())
+    if quantized.drafts_on_kernels(target):  # its linears on the CPU kernels, as the quantized target's
+        return quantized.kernel_linears(net.to(device=p.device, dtype=torch.float32).eval())
     return net.to(device=p.device, dtype=dtype or p.dtype).eval()
 
 
