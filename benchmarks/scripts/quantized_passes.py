@@ -1,12 +1,15 @@
-"""One pass of the default target on the CPU fast path, quantized weights beside bf16 and float32,
-side by side in one process: ms per pass at widths 1-16 (a one-token step, verify blocks), best of
-``--rounds`` x 10 after a warm-up, a 45-token context. And each quantized linear kernel of the
-model alone (a layer's q/k/v, o, gate/up and down, the LM head) at the same widths, its weights hot
-in the caches: µs and multiply-adds a second. And a prompt's prefill through those kernels beside
-HF's dense float32 computation, by prompt length (where ``QUANTIZED_PREFILL_MAX`` comes from).
-Saves JSON and a plot.
+"""One pass of the default target on the CPU fast path in each numeric mode, side by side in one
+process: ms per pass at widths 1-16 (a one-token step, verify blocks) and what each row past the
+first costs (a share of a one-row pass), best of ``--rounds`` x 10 after a warm-up, a 45-token
+context. For the kernel modes (q8: int8 activations, quantized: float32 activations) also: each
+linear kernel of the model alone (a layer's q/k/v, o, gate/up and down, the LM head) at the same
+widths, its weights hot in the caches (µs and multiply-adds a second); where a one-token step's time
+goes (the 30 layer calls, the LM head, the rest); and a prompt's prefill by length (the kernels
+against HF's dense float32 computation). ``$SPECULANT_CPU_ISA=avx2`` measures the AVX2 branch of
+the kernels on an AVX-512 CPU (pair it with ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` for
+PyTorch's and oneDNN's). Saves JSON and a plot.
 
-    python benchmarks/scripts/quantized_passes.py --out benchmarks/results/NAME
+    python benchmarks/scripts/quantized_passes.py --out benchmarks/results/NAME [--modes q8,quantized]
 """
 from __future__ import annotations
 
@@ -17,12 +20,26 @@ from pathlib import Path
 
 import torch
 
-from speculant.models import fast as fast_module
+from speculant.bench.machine import machine_info
+from speculant.models import fast as fast_module, quantized
 from speculant.models.fast import FastLlama
 from speculant.models.loading import load_model
 
-WIDTHS = (1, 2, 4, 8, 16)
+WIDTHS = (1, 2, 3, 4, 5, 8, 16)
 PREFILL_MAX = fast_module.QUANTIZED_PREFILL_MAX
+KERNEL_MODES = ("q8", "quantized")
+
+
+def best_ms(fn, rounds: int, reps: int = 10) -> float:
+    for _ in range(3):
+        fn()
+    best = float("inf")
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        best = min(best, (time.perf_counter() - t) / reps * 1e3)
+    return best
 
 
 @torch.inference_mode()  # as the engine runs it (autograd on bf16 one-row matmuls costs seconds)
@@ -30,46 +47,63 @@ def passes(dtype: str, rounds: int) -> dict:
     fast = FastLlama(load_model("default", device="cpu", dtype=dtype).model)
     keys, values = fast.new_cache(1, 512)
     tokens = torch.randint(1000, (1, 60), generator=torch.Generator().manual_seed(0))
-    fast.prefill(tokens[:, :40], keys, values)
+    fast.prefill(tokens[:, :45], keys, values)
 
     def step(w: int):
         at = torch.arange(45, 45 + w)[None]
         fast.forward(tokens[:, :w], at, at, keys, values)
 
-    out = {}
-    for w in WIDTHS:
-        for _ in range(3):
-            step(w)
-        best = float("inf")
-        for _ in range(rounds):
-            t = time.perf_counter()
-            for _ in range(10):
-                step(w)
-            best = min(best, (time.perf_counter() - t) / 10 * 1e3)
-        out[w] = round(best, 2)
-    result = {"kernels": fast.kernels, "ms_per_pass": out}
-    if dtype == "quantized":
+    out = {w: round(best_ms(lambda w=w: step(w), rounds), 2) for w in WIDTHS}
+    extra = {w: round((out[w] - out[1]) / (w - 1) / out[1], 3) for w in WIDTHS if w > 1}
+    result = {"kernels": fast.kernels, "ms_per_pass": out, "extra_row_share_of_one_row_pass": extra}
+    if dtype in KERNEL_MODES:
         result["linear_kernels"] = linear_kernels(fast, rounds)
-        result["one_token_step_ms"] = step_parts(fast, step)
-        result["prefill_ms"] = prefills(fast)
+        result["one_token_step_ms"] = step_parts(fast, lambda: step(1), rounds)
+        result["prefill_ms"] = prefills(fast, dtype)
     return result
 
 
-def prefills(fast: FastLlama) -> dict:
-    """A prompt's prefill (last position's logits) by length through ``FastLlama.prefill``: as one block
-    of the passes' quantized kernels (every length let through), and HF's dense float32 computation
-    (none let through); best of 3."""
-    out = {}
+def step_parts(fast: FastLlama, step, rounds: int) -> dict:
+    """A one-token step's time: in the layer calls, in the LM head, and the rest of the forward."""
+    spent = {"layers": 0.0, "lm_head": 0.0}
+    mm = fast.pass_set
+    layer_fn, head = mm.layer_fn, mm.head
+
+    def timed(name, fn):
+        def run(*args, **kwargs):
+            t = time.perf_counter()
+            out = fn(*args, **kwargs)
+            spent[name] += time.perf_counter() - t
+            return out
+        return run
+
+    total = best_ms(step, rounds)
+    mm.layer_fn, mm.head = timed("layers", layer_fn), timed("lm_head", head)
     try:
-        for n in (25, 72, 128, 150, 300, 600):
+        n = 50
+        for _ in range(n):
+            step()
+    finally:
+        mm.layer_fn, mm.head = layer_fn, head
+    parts = {k: round(v / n * 1e3, 2) for k, v in spent.items()}
+    return {"total": round(total, 2), **parts, "rest": round(max(0.0, total - sum(parts.values())), 2)}
+
+
+def prefills(fast: FastLlama, dtype: str) -> dict:
+    """A prompt's prefill (last position's logits) by length through ``FastLlama.prefill``: as one block
+    of the passes' kernels (every length let through; q8 always) and HF's dense float32 computation
+    (none let through; quantized only); best of 3."""
+    out = {}
+    ways = (("kernels", 1 << 30),) + ((("hf dense float32", 0),) if dtype == "quantized" else ())
+    try:
+        for n in (25, 128, 300, 600, 1500):
             tokens = torch.randint(1000, (1, n), generator=torch.Generator().manual_seed(n))
             row = {}
-            for name, most in (("quantized kernels", n), ("hf dense float32", 0)):
+            for name, most in ways:
                 fast_module.QUANTIZED_PREFILL_MAX = most
-                fast.prefill(tokens, *fast.new_cache(1, 1024), last_only=True)
                 best = float("inf")
-                for _ in range(3):
-                    keys, values = fast.new_cache(1, 1024)
+                for _ in range(2 if n >= 600 else 3):
+                    keys, values = fast.new_cache(1, 2048)
                     t = time.perf_counter()
                     fast.prefill(tokens, keys, values, last_only=True)
                     best = min(best, time.perf_counter() - t)
@@ -90,16 +124,8 @@ def linear_kernels(fast: FastLlama, rounds: int) -> dict:
         row = {"shape": [lin.out_features, lin.in_features], "format_bits": lin.weight.bits}
         for w in WIDTHS:
             x = torch.randn(w, lin.in_features)
-            reps = 10 if name == "lm_head" else 100
-            for _ in range(3):
-                lin(x)
-            best = float("inf")
-            for _ in range(rounds):
-                t = time.perf_counter()
-                for _ in range(reps):
-                    lin(x)
-                best = min(best, (time.perf_counter() - t) / reps)
-            row[w] = {"us": round(best * 1e6, 1), "gmac_per_s": round(lin.out_features * lin.in_features * w / best / 1e9, 1)}
+            us = best_ms(lambda: lin(x), rounds, 10 if name == "lm_head" else 100) * 1e3
+            row[w] = {"us": round(us, 1), "gmac_per_s": round(lin.out_features * lin.in_features * w / us / 1e3, 1)}
         out[name] = row
     return out
 
@@ -108,19 +134,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--modes", default="q8,quantized,bfloat16,float32")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = {d: passes(d, a.rounds) for d in ("quantized", "bfloat16", "float32")}
-    results["threads"] = torch.get_num_threads()
-    for d in ("quantized", "bfloat16", "float32"):
-        print(f"{d:10s} {results[d]['kernels']:40s} " + "  ".join(f"{w}: {ms:.1f}" for w, ms in results[d]["ms_per_pass"].items()))
-    print("  one-token step, ms: " + ", ".join(f"{k} {v}" for k, v in results["quantized"]["one_token_step_ms"].items()))
-    print("  prefill, ms: " + ", ".join(f"{n} tokens {r['quantized kernels']} vs {r['hf dense float32']}"
-                                        for n, r in results["quantized"]["prefill_ms"].items()))
-    for name, row in results["quantized"]["linear_kernels"].items():
-        print(f"  {name:8s} {str(row['shape']):13s} " + "  ".join(f"{w}: {row[w]['us']:.0f} us ({row[w]['gmac_per_s']:.0f} GMAC/s)"
-                                                                  for w in WIDTHS))
+    modes = a.modes.split(",")
+    results = {"machine": machine_info(), "kernels_isa": quantized.kernels().isa(), "threads": torch.get_num_threads()}
+    results |= {d: passes(d, a.rounds) for d in modes}
+    for d in modes:
+        print(f"{d:10s} {results[d]['kernels'][:60]:60s} " + "  ".join(f"{w}: {ms:.1f}" for w, ms in results[d]["ms_per_pass"].items()))
+        print(f"{'':10s} each row past the first: " + "  ".join(f"{w}: {x:.0%}" for w, x in results[d]["extra_row_share_of_one_row_pass"].items()))
+    for d in (m for m in modes if m in KERNEL_MODES):
+        print(f"{d}: one-token step, ms: " + ", ".join(f"{k} {v}" for k, v in results[d]["one_token_step_ms"].items()))
+        print(f"{d}: prefill, ms: " + ", ".join(f"{n} tokens {r}" for n, r in results[d]["prefill_ms"].items()))
+        for name, row in results[d]["linear_kernels"].items():
+            print(f"  {name:8s} {str(row['shape']):13s} " + "  ".join(f"{w}: {row[w]['us']:.0f} us ({row[w]['gmac_per_s']:.0f})"
+                                                                      for w in WIDTHS))
     (out / "passes.json").write_text(json.dumps(results, indent=1))
     import matplotlib
 
@@ -128,11 +157,11 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for d in ("quantized", "bfloat16", "float32"):
+    for d in modes:
         ax.plot(WIDTHS, [results[d]["ms_per_pass"][w] for w in WIDTHS], marker="o", label=d)
     ax.set_xlabel("tokens in the pass (verify width)")
     ax.set_ylabel("ms per pass")
-    ax.set_title("default target, one pass on the CPU fast path")
+    ax.set_title(f"default target, one pass on the CPU fast path ({results['kernels_isa']} kernels)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "passes.png", dpi=120)

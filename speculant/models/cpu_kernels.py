@@ -43,7 +43,8 @@ def cpu_capability() -> str:
 def machine_key() -> str:
     """What decides which kernels run and how they round: the CPU, its ISA level, torch, threads and
     the kernel choice asked for."""
-    return "|".join([cpu_key(), str(torch.get_num_threads()), os.environ.get(ENV, "auto")])
+    return "|".join([cpu_key(), str(torch.get_num_threads()), os.environ.get(ENV, "auto"),
+                     os.environ.get("SPECULANT_CPU_ISA", "native")])
 
 
 def cpu_key() -> str:

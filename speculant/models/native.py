@@ -16,6 +16,7 @@ import functools
 import hashlib
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -63,12 +64,31 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+# $SPECULANT_CPU_ISA: build an older ISA's branch on this CPU (benchmarks of the AVX2 class on an
+# AVX-512 machine; the tests force each branch themselves)
+ISA_ENV = "SPECULANT_CPU_ISA"
+ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",), "generic": ("-mno-avx512f", "-mno-avx2")}
+_BUILDING = threading.Lock()  # one build at a time in this process (``start_building``'s thread, the caller)
+
+
 def build(isa: tuple[str, ...] = ()):
     """The compiled kernels module (``csrc/kernels.cpp``), or None (no compiler, a failed build).
     ``isa``: flags on top of ``-march=native`` (``-mno-avx512f``: the AVX2 branch, which the tests
     build on any x86 CPU); one that turns off a feature this CPU lacks is dropped (the same build)."""
     have = _cpu_flags()
-    return _build(tuple(f for f in isa if f not in _TURNS_OFF or _TURNS_OFF[f] in have))
+    forced = os.environ.get(ISA_ENV, "native")
+    if forced not in ISA_FLAGS:
+        print(f"speculant: ${ISA_ENV}={forced!r} is not one of {', '.join(ISA_FLAGS)}: ignored", file=sys.stderr)
+        forced = "native"
+    flags = tuple(dict.fromkeys(ISA_FLAGS[forced] + isa))
+    with _BUILDING:
+        return _build(tuple(f for f in flags if f not in _TURNS_OFF or _TURNS_OFF[f] in have))
+
+
+def start_building() -> None:
+    """Build this machine's kernels in a thread now (a no-op once built): the first load of a GGUF
+    dequantises it meanwhile, so a first run waits for the longer of the two, not their sum."""
+    threading.Thread(target=build, name="speculant-kernels-build", daemon=True).start()
 
 
 @functools.cache

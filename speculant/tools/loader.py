@@ -6,6 +6,7 @@ from ..api import Generator, check_gamma
 from ..drafters import Drafter, default_drafter, make_drafter, validate_drafter_spec
 from ..errors import SpeculantError
 from ..models.backend import PATHS
+from ..models import native
 from ..models.loading import load_model, resolve_device
 from .cpu_choice import choose as choose_cpu_dtype
 
@@ -30,6 +31,8 @@ def load(target: str = "default", drafter: str | Drafter | None = None, gamma: i
     if drafter is not None:
         validate_drafter_spec(drafter)  # bad input fails before any model work
     dev = resolve_device(device)
+    if dev.type == "cpu":
+        native.start_building()  # the CPU fast path's kernels (attention; quantized weights): built while the target loads
     choice = None
     if dev.type == "cpu" and dtype in (None, "", "auto") and device_map is None:
         # timed with the drafter that will run (an object given here cannot be rebuilt per dtype: plain decoding)
