@@ -1,9 +1,14 @@
-"""Plain decoding per token on the same GGUF: speculant's quantized path beside llama.cpp and
-OpenVINO GenAI (those installed), one short chat prompt, greedy, 2 threads, one process.
+"""Plain decoding per token on the same GGUF: speculant's kernel modes (q8: int8 activations,
+quantized: float32 activations) beside llama.cpp and OpenVINO GenAI (those installed), greedy, the
+same prompt token ids and thread count, one process: a short chat prompt and a ~1.5k-token one.
 
-For each runtime: the time to the first token (the prefill and the first token) and the mean time
-of each later token, best of ``--rounds`` runs in a rotated order. The issue's plain-decoding
-measure (ms/token, a short prompt, 128 tokens). Saves JSON.
+For each runtime and prompt: the time to the first token (the prefill and the first token) and the
+mean time of each later token, best of ``--rounds`` runs in a rotated order; and the floor of a
+one-token step: the bytes a step streams (the quantized blocks, float32 for speculant's packed
+layout) over this CPU's measured read bandwidth (a large array summed, best of 5). Saves JSON.
+
+``--llama-cpp PATH``: import llama-cpp-python from PATH (a build of its own: e.g. AVX2 only, to
+compare the AVX2 class on an AVX-512 machine with ``SPECULANT_CPU_ISA=avx2``).
 
     python benchmarks/scripts/plain_per_token.py --out benchmarks/results/NAME
 """
@@ -11,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -18,60 +24,103 @@ import torch
 
 import speculant
 from speculant.bench import peers
+from speculant.bench.machine import machine_info
+from speculant.bench.prompts import read_prompts
 from speculant.drafters import make_drafter
+from speculant.models import quantized
 from speculant.models.loading import default_model_path, load_model
 
-PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+SHORT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
-def ours(target):
+def ours(mode: str):
+    target = load_model("default", device="cpu", dtype=mode)
     gen = speculant.Generator(target, make_drafter("none", target))
-
-    def run(ids, n):
-        return gen.generate_ids([ids], max_new_tokens=n)[0].token_ids
-    return run
+    return lambda ids, n: gen.generate_ids([ids], max_new_tokens=n)[0].token_ids
 
 
 def peer(name: str):
-    runner = peers.load(name, default_model_path(), 2048)
+    runner = peers.load(name, default_model_path(), 4096)
     return lambda ids, n: runner.generate(ids, n, set())  # no EOS: every runtime makes n tokens
+
+
+def read_bandwidth_gbs() -> float:
+    """GB/s of summing a 512 MB float32 array (best of 5): what a memory-bound step can stream."""
+    a = torch.ones(128 * 1024 * 1024)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t)
+    return a.numel() * 4 / best / 1e9
+
+
+def step_bytes(mode: str) -> int:
+    """Bytes of weights a one-token step reads in a kernel mode: every linear's packed blocks."""
+    from speculant.models.fast import FastLlama
+
+    fast = FastLlama(load_model("default", device="cpu", dtype=mode).model)
+    heads = [fast.pass_set.head.fn] + [lin for w in fast.pass_set.layers for lin in w["quantized"].values()]
+    return sum(int(lin.args[0].numel()) for lin in heads)
+
+
+def prompts(tokenizer) -> dict[str, list[int]]:
+    def chat(text):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        return list(ids if isinstance(ids, list) else ids["input_ids"])
+
+    longest = max((p for p in read_prompts() if p.category in ("summarization", "rag")), key=lambda p: len(p.prompt))
+    text = longest.prompt
+    while len(chat(text)) < 1400:  # ~1.5k tokens: the bench's longest context prompt, repeated as needed
+        text = text + "\n\n" + longest.prompt
+    long = chat(text)
+    return {"short": chat(SHORT), "long": long[-1500:] if len(long) > 1500 else long}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--modes", default="q8,quantized")
+    ap.add_argument("--llama-cpp", default=None, help="import llama-cpp-python from this folder first")
     a = ap.parse_args()
+    if a.llama_cpp:
+        sys.path.insert(0, a.llama_cpp)
     torch.set_num_threads(2)
-    target = load_model("default", device="cpu", dtype="quantized")
-    ids = target.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
-    ids = list(ids if isinstance(ids, list) else ids["input_ids"])
-    runtimes = {"speculant quantized": ours(target)}
+    modes = a.modes.split(",")
+    tok = load_model("default", device="cpu", dtype="float32").tokenizer
+    runtimes = {f"speculant {m}": ours(m) for m in modes}
     runtimes |= {name: peer(name) for name in ("llama.cpp", "openvino") if name in peers.installed()}
-    best = {name: {"first_token_ms": float("inf"), "total_ms": float("inf")} for name in runtimes}
-    made = {}
-    for run in runtimes.values():  # warm-up
-        run(ids, 8)
-    names = list(runtimes)
-    for r in range(a.rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:
-            run = runtimes[name]
-            t = time.perf_counter()
-            run(ids, 1)
-            first = time.perf_counter() - t
-            t = time.perf_counter()
-            made[name] = len(run(ids, a.tokens))
-            total = time.perf_counter() - t
-            best[name]["first_token_ms"] = min(best[name]["first_token_ms"], first * 1e3)
-            best[name]["total_ms"] = min(best[name]["total_ms"], total * 1e3)
-    results = {"prompt_tokens": len(ids), "threads": 2, "runtimes": {}}
-    for name, b in best.items():
-        per = (b["total_ms"] - b["first_token_ms"]) / (made[name] - 1)
-        results["runtimes"][name] = {"tokens": made[name], "first_token_ms": round(b["first_token_ms"], 1),
-                                     "ms_per_later_token": round(per, 2), "total_ms": round(b["total_ms"], 1)}
-        print(f"{name:22s} first token {b['first_token_ms']:6.1f} ms   then {per:5.2f} ms/token   "
-              f"{made[name]} tokens in {b['total_ms']:.0f} ms")
+    bandwidth = read_bandwidth_gbs()
+    results = {"machine": machine_info(), "kernels_isa": quantized.kernels().isa(), "threads": 2,
+               "read_bandwidth_gb_s": round(bandwidth, 1), "prompts": {}}
+    results["floor_ms_per_token"] = {m: round(step_bytes(m) / bandwidth / 1e6, 2) for m in modes}
+    for pname, ids in prompts(tok).items():
+        best = {name: {"first_token_ms": float("inf"), "total_ms": float("inf")} for name in runtimes}
+        made = {}
+        for run in runtimes.values():  # warm-up
+            run(ids, 4)
+        names = list(runtimes)
+        for r in range(a.rounds):
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                run = runtimes[name]
+                t = time.perf_counter()
+                run(ids, 1)
+                first = time.perf_counter() - t
+                t = time.perf_counter()
+                made[name] = len(run(ids, a.tokens))
+                total = time.perf_counter() - t
+                best[name]["first_token_ms"] = min(best[name]["first_token_ms"], first * 1e3)
+                best[name]["total_ms"] = min(best[name]["total_ms"], total * 1e3)
+        rows = {}
+        for name, b in best.items():
+            per = (b["total_ms"] - b["first_token_ms"]) / (made[name] - 1)
+            rows[name] = {"tokens": made[name], "first_token_ms": round(b["first_token_ms"], 1),
+                          "ms_per_later_token": round(per, 2), "total_ms": round(b["total_ms"], 1)}
+            print(f"{pname:5s} {name:24s} first token {b['first_token_ms']:7.1f} ms   then {per:6.2f} ms/token")
+        results["prompts"][pname] = {"prompt_tokens": len(ids), "runtimes": rows}
+    print("floor (ms/token):", results["floor_ms_per_token"], f"at {bandwidth:.1f} GB/s")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "plain_per_token.json").write_text(json.dumps(results, indent=1))
