@@ -199,3 +199,39 @@ def test_q8_needs_the_compiled_kernels(monkeypatch):
     monkeypatch.setattr(quantized, "kernels", lambda: None)
     with pytest.raises(SpeculantError, match="needs the compiled CPU kernels"):
         load_model("default", device="cpu", dtype="q8")
+
+
+@needs_kernel
+def test_the_eagle_head_on_the_kernels_computes_its_own_forward(tmp_path):
+    """Beside a quantized target an EAGLE head runs its layer as one kernel call (KernelLayers): the
+    same network as its PyTorch forward over the same int8 linears, on a chain's and a tree's masks
+    (its states equal but for float rounding; it is a drafter: only its proposals depend on it)."""
+    target = _q8_tiny()
+    drafter = _drafter_for("eagle", target, tmp_path)
+    assert drafter.kernel_layers is not None
+    net, g = drafter.net, torch.Generator().manual_seed(0)
+    attn = net.layers[0].self_attn
+    B, T, S, H = 2, 4, 24, net.fc.weight.shape[0]
+    keys = [torch.randn(B, attn.kv_heads, S, attn.head_dim, generator=g) for _ in net.layers]
+    values = [torch.randn(B, attn.kv_heads, S, attn.head_dim, generator=g) for _ in net.layers]
+    embeds, hidden = torch.randn(B, T, H, generator=g), torch.randn(B, T, H, generator=g)
+    positions = torch.tensor([[9, 10, 11, 12], [5, 6, 7, 8]])
+    chain = torch.arange(S)[None, None] <= positions[..., None]
+    tree = chain & (torch.rand(B, T, S, generator=g) < 0.7) | (torch.arange(S)[None, None] == positions[..., None])
+
+    def run(mask, kernels: bool):
+        drafter.keys, drafter.values = [k.clone() for k in keys], [v.clone() for v in values]
+        layers, drafter.kernel_layers = drafter.kernel_layers, drafter.kernel_layers if kernels else None
+        try:
+            out = drafter._step(embeds, hidden, positions, positions, S, mask[:, None])
+        finally:
+            drafter.kernel_layers = layers
+        return out, drafter.keys + drafter.values
+
+    for mask in (chain, tree):
+        (state, normed), caches = run(mask, True)
+        (want_state, want_normed), want_caches = run(mask, False)
+        torch.testing.assert_close(state, want_state, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(normed, want_normed, rtol=1e-4, atol=1e-4)
+        for got, want in zip(caches, want_caches):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

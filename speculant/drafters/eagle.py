@@ -61,6 +61,62 @@ def load_eagle(folder: str, target: torch.nn.Module, target_name: str, dtype=Non
     return EagleDrafter(net if quantized.drafts_on_kernels(target) else pack_linears(net), target, label=str(folder))
 
 
+class KernelLayers:
+    """The network's decoder layers through the CPU kernels, one call a layer (``eagle_layer`` for
+    the first, ``layer`` for any after) where PyTorch ops take ~40: beside a quantized target, whose
+    kernels the network's linears already run on (``quantized.kernel_linears``). Attention masks
+    become each query's visible slots in order (the kernel's ``slots`` and ``count``)."""
+
+    def __init__(self, net: EagleNet):
+        self.net, self.k = net, quantized.kernels()
+        first = net.layers[0].self_attn
+        self.heads, self.kv_heads, self.head_dim = first.heads, first.kv_heads, first.head_dim
+        self.scale = self.head_dim ** -0.5  # scaled_dot_product_attention's
+
+    @staticmethod
+    def fit(net: EagleNet) -> "KernelLayers | None":
+        """KernelLayers for ``net`` where the kernels take its shapes and its linears are theirs, else None."""
+        if quantized.kernels() is None:
+            return None
+        for layer in net.layers:
+            a, m = layer.self_attn, layer.mlp
+            linears = (a.stacked_qkv, a.o_proj.forward, m.stacked_gate_up, m.down_proj.forward)
+            if not all(isinstance(x, quantized.QuantLinear) for x in linears) or not isinstance(a.q_norm, torch.nn.Identity):
+                return None
+            if a.head_dim % 16 or a.head_dim > 256 or layer.input_layernorm.weight.shape[0] % 16:
+                return None
+        return KernelLayers(net)
+
+    def _args(self, layer) -> tuple:
+        a, m = layer.self_attn, layer.mlp
+        qkv, o, gate_up, down = a.stacked_qkv, a.o_proj.forward, m.stacked_gate_up, m.down_proj.forward
+        return ((qkv.args, qkv.weight.bits), (o.args, o.weight.bits), layer.post_attention_layernorm.weight,
+                (gate_up.args, gate_up.weight.bits), (down.args, down.weight.bits))
+
+    def step(self, embeds, hidden, positions, write_at, visible, keys, values):
+        """``EagleNet.step`` with the keys each query sees given as ``visible`` [B, T, S] (bool)."""
+        net, k = self.net, self.k
+        freqs = positions[..., None].float() * net.inv_freq.float()
+        emb = torch.cat((freqs, freqs), -1)
+        cos, sin = emb.cos().contiguous(), emb.sin().contiguous()
+        count = visible.sum(-1)
+        slots = torch.sort((~visible).to(torch.uint8), dim=-1, stable=True).indices  # the visible slots first, in order
+        write_at = write_at.contiguous()
+        h = hidden.float().contiguous()
+        for i, layer in enumerate(net.layers):
+            (qkv, qb), (o, ob), ln2, (gu, gb), (down, db) = self._args(layer)
+            common = (cos, sin, self.heads, self.kv_heads, self.head_dim, keys[i], values[i], write_at, slots, count,
+                      self.scale, o, ob, ln2.float(), gu, gb, down, db)
+            ln1, eps = layer.input_layernorm.weight.float(), layer.input_layernorm.eps
+            if i == 0:
+                h = k.eagle_layer(embeds.float().contiguous(), h, ln1, layer.hidden_norm.weight.float(), eps,
+                                  layer.norm_before_residual, qkv, qb, *common)
+            else:
+                h = k.layer(h, ln1, eps, qkv, qb, *common)
+        normed = k.norm(h.contiguous(), net.norm.weight.float(), net.norm.eps).view(h.shape)
+        return (normed if net.norm_output else h), normed
+
+
 class EagleDrafter(Drafter):
     name = "eagle"
     makes_trees = True
@@ -74,6 +130,7 @@ class EagleDrafter(Drafter):
         draft_ids = net.target_ids(torch.arange(net.lm_head.weight.shape[0], device=net.lm_head.weight.device))
         outside = draft_ids >= self.vocab  # draft rows the target cannot emit (a head trained on a wider vocabulary)
         self.outside = outside if bool(outside.any()) else None
+        self.kernel_layers = KernelLayers.fit(net) if quantized.drafts_on_kernels(target) else None
 
     def describe(self) -> str:
         return f"eagle:{self.label}"
@@ -126,6 +183,15 @@ class EagleDrafter(Drafter):
         self.unfed += other.unfed
         self.waiting += other.waiting
 
+    def _step(self, embeds, hidden, positions, slots: torch.Tensor, width: int, mask: torch.Tensor):
+        """One forward of the network for embeds, hidden [B, T, H] at positions [B, T]: its k/v
+        written at ``slots`` [B, T], each query attending to the first ``width`` cache slots under
+        ``mask`` [B, 1, T, width]. Returns (the state the next step reads, the normed state)."""
+        if self.kernel_layers is not None:
+            return self.kernel_layers.step(embeds, hidden, positions, slots, mask[:, 0], self.keys, self.values)
+        return self.net.step(embeds, hidden, positions, [self._kv(i, slots, width) for i in range(len(self.net.layers))],
+                             mask)
+
     def _kv(self, layer: int, slots: torch.Tensor, width: int):
         """Layer ``layer``'s keys/values callback: write the new k/v at ``slots`` [B, T], attend
         over the first ``width`` slots."""
@@ -156,8 +222,7 @@ class EagleDrafter(Drafter):
         slots = torch.where(real, positions, self.spare)
         width = int(self.lengths.max()) + W
         mask = (torch.arange(width, device=dev)[None, None] <= positions[:, :, None])[:, None]
-        state, normed = net.step(self.embed(tokens), net.features(feats), positions,
-                                 [self._kv(i, slots, width) for i in range(len(net.layers))], mask)
+        state, normed = self._step(self.embed(tokens), net.features(feats), positions, slots, width, mask)
         last = (counts - 1).clamp_min(0)
         pick = torch.arange(B, device=dev)
         self.lengths = self.lengths + counts
@@ -206,9 +271,8 @@ class EagleDrafter(Drafter):
             rel = cache - base[:, None, None]
             mask = (rel < 0) | own.gather(2, rel.clamp(0, E - 1).expand(B, w, width)) & (rel < E)
             parent_states = states.gather(1, (pick - first)[..., None].expand(-1, -1, states.shape[-1]))
-            out, normed = net.step(self.embed(net.target_ids(tok[rows, pick])), parent_states,
-                                   (base - 1)[:, None] + d, [self._kv(i, slots, width) for i in range(len(net.layers))],
-                                   mask[:, None])
+            out, normed = self._step(self.embed(net.target_ids(tok[rows, pick])), parent_states,
+                                     (base - 1)[:, None] + d, slots, width, mask[:, None])
             child_lp, child_tok = self._logprobs(normed).topk(k, -1)  # [B, w, k]
             first = score.shape[1]
             score = torch.cat([score, (score[rows, pick][..., None] + child_lp).flatten(1)], 1)

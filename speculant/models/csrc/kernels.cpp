@@ -128,6 +128,59 @@ at::Tensor layer_end(const at::Tensor& h, const at::Tensor& attn, const std::vec
   return out;
 }
 
+namespace {
+
+// A decoder layer's weights from Python: two norms, and (packed, bias) with its code bits per linear
+spk::LayerWeights layer_weights(const at::Tensor& ln1, const at::Tensor& ln2, double eps, int64_t qkv_in,
+                                const std::vector<at::Tensor>& qkv, int64_t qkv_bits, int64_t H, int64_t attn_width,
+                                const std::vector<at::Tensor>& o, int64_t o_bits, const std::vector<at::Tensor>& gate_up,
+                                int64_t gu_bits, const std::vector<at::Tensor>& down, int64_t down_bits) {
+  rows_of_float(ln1, H), rows_of_float(ln2, H);
+  const spk::Linear lq = linear_of(qkv, qkv_bits, qkv_in), lo = linear_of(o, o_bits, attn_width);
+  const spk::Linear lg = linear_of(gate_up, gu_bits, H), ld = linear_of(down, down_bits, lg.N() / 2);
+  TORCH_CHECK(lo.N() == H && ld.N() == H && (lg.N() / 2) % spk::LANES == 0, "layer shapes");
+  return {ln1.data_ptr<float>(), ln2.data_ptr<float>(), static_cast<float>(eps), lq, lo, lg, ld};
+}
+
+// A block's attention from Python: the layer's caches, where the block writes, which keys each query sees
+struct Attention {
+  at::Tensor count, slots;
+  spk::BlockAttention at;
+};
+
+Attention block_attention(int64_t B, int64_t T, int64_t n_kv, int64_t D, at::Tensor& k_cache, at::Tensor& v_cache,
+                          const at::Tensor& write_at, const at::Tensor& slots, const at::Tensor& count, double scale) {
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.dim() == 4 &&
+                  k_cache.size(0) == B && k_cache.size(1) == n_kv && k_cache.size(3) == D &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.strides() == k_cache.strides() &&
+                  k_cache.stride(3) == 1 && write_at.scalar_type() == at::kLong && write_at.is_contiguous() &&
+                  write_at.size(0) == B && write_at.size(1) == T,
+              "layer: caches float32 [B, n_kv, S, D] contiguous along D, write_at [B, T]");
+  TORCH_CHECK(D % spk::LANES == 0 && D <= spk::MAX_D, "layer: head sizes a multiple of 16, at most 256");
+  Attention a{count.to(at::kLong).contiguous(), slots.numel() ? slots.to(at::kLong).contiguous() : slots, {}};
+  TORCH_CHECK(a.count.numel() == B * T && (!a.slots.numel() || (a.slots.size(0) == B && a.slots.size(1) == T)),
+              "layer: count [B, T], slots [B, T, W]");
+  a.at = {{k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), k_cache.stride(0), k_cache.stride(1),
+           k_cache.stride(2), k_cache.size(2)},
+          write_at.data_ptr<int64_t>(),
+          a.slots.numel() ? a.slots.data_ptr<int64_t>() : nullptr,
+          a.slots.numel() ? a.slots.size(2) : 0,
+          a.count.data_ptr<int64_t>(),
+          static_cast<float>(scale)};
+  return a;
+}
+
+template <typename F>
+void out_of_range_as_error(F&& run) {
+  try {
+    run();
+  } catch (const std::out_of_range& e) {
+    TORCH_CHECK(false, e.what());
+  }
+}
+
+}  // namespace
+
 // A whole decoder layer for the passes after the prefill, in one call (core/layer.h).
 // h: [B, T, H]; cos, sin: [B, T, D]; caches: [B, n_kv, S, D]; write_at, count: [B, T].
 at::Tensor layer(const at::Tensor& h, const at::Tensor& ln1, double eps, const std::vector<at::Tensor>& qkv,
@@ -138,33 +191,47 @@ at::Tensor layer(const at::Tensor& h, const at::Tensor& ln1, double eps, const s
                  const std::vector<at::Tensor>& down, int64_t down_bits) {
   TORCH_CHECK(h.dim() == 3, "layer: h [B, T, H]");
   const int64_t B = h.size(0), T = h.size(1), H = h.size(2);
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.dim() == 4 &&
-                  k_cache.size(0) == B && k_cache.size(1) == n_kv && k_cache.size(3) == D &&
-                  v_cache.sizes() == k_cache.sizes() && v_cache.strides() == k_cache.strides() &&
-                  k_cache.stride(3) == 1 && write_at.scalar_type() == at::kLong && write_at.is_contiguous() &&
-                  write_at.size(0) == B && write_at.size(1) == T,
-              "layer: caches float32 [B, n_kv, S, D] contiguous along D, write_at [B, T]");
-  TORCH_CHECK(H % spk::LANES == 0 && D % spk::LANES == 0 && D <= spk::MAX_D, "layer: hidden and head sizes multiples of 16");
-  rows_of_float(h, H), rows_of_float(ln1, H), rows_of_float(ln2, H), rows_of_float(cos, D), rows_of_float(sin, D);
+  TORCH_CHECK(H % spk::LANES == 0, "layer: hidden size a multiple of 16");
+  rows_of_float(h, H), rows_of_float(cos, D), rows_of_float(sin, D);
   TORCH_CHECK(cos.numel() == B * T * D && sin.numel() == B * T * D, "layer: cos, sin [B, T, D]");
-  const spk::Linear lq = linear_of(qkv, qkv_bits, H), lo = linear_of(o, o_bits, n_heads * D);
-  const spk::Linear lg = linear_of(gate_up, gu_bits, H), ld = linear_of(down, down_bits, lg.N() / 2);
-  TORCH_CHECK(lq.N() == (n_heads + 2 * n_kv) * D && lo.N() == H && ld.N() == H && (lg.N() / 2) % spk::LANES == 0,
-              "layer shapes");
-  auto c = count.to(at::kLong).contiguous();
-  auto sl = slots.numel() ? slots.to(at::kLong).contiguous() : slots;
-  TORCH_CHECK(c.numel() == B * T && (!sl.numel() || (sl.size(0) == B && sl.size(1) == T)), "layer: count [B, T], slots [B, T, W]");
+  const spk::LayerWeights w = layer_weights(ln1, ln2, eps, H, qkv, qkv_bits, H, n_heads * D, o, o_bits, gate_up,
+                                            gu_bits, down, down_bits);
+  TORCH_CHECK(w.qkv.N() == (n_heads + 2 * n_kv) * D, "layer: q/k/v heads");
+  const Attention a = block_attention(B, T, n_kv, D, k_cache, v_cache, write_at, slots, count, scale);
   auto out = torch::empty({B, T, H}, h.options());
-  const spk::LayerCaches caches{k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), k_cache.stride(0),
-                                k_cache.stride(1), k_cache.stride(2), k_cache.size(2)};
-  try {
-    spk::layer(h.data_ptr<float>(), B, T, H, ln1.data_ptr<float>(), static_cast<float>(eps), lq, cos.data_ptr<float>(),
-               sin.data_ptr<float>(), n_heads, n_kv, D, caches, write_at.data_ptr<int64_t>(),
-               sl.numel() ? sl.data_ptr<int64_t>() : nullptr, sl.numel() ? sl.size(2) : 0, c.data_ptr<int64_t>(),
-               static_cast<float>(scale), lo, ln2.data_ptr<float>(), lg, ld, out.data_ptr<float>(), PARALLEL);
-  } catch (const std::out_of_range& e) {
-    TORCH_CHECK(false, e.what());
-  }
+  out_of_range_as_error([&] {
+    spk::layer(h.data_ptr<float>(), B, T, H, w, cos.data_ptr<float>(), sin.data_ptr<float>(), n_heads, n_kv, D, a.at,
+               out.data_ptr<float>(), PARALLEL);
+  });
+  return out;
+}
+
+// EAGLE-3's first layer in one call (core/layer.h): q/k/v over [ln1(embeds), hidden_norm(hidden)].
+// embeds, hidden: [B, T, H]; the rest as ``layer``.
+at::Tensor eagle_layer(const at::Tensor& embeds, const at::Tensor& hidden, const at::Tensor& ln1,
+                       const at::Tensor& hidden_norm, double eps, bool norm_before_residual,
+                       const std::vector<at::Tensor>& qkv, int64_t qkv_bits, const at::Tensor& cos, const at::Tensor& sin,
+                       int64_t n_heads, int64_t n_kv, int64_t D, at::Tensor k_cache, at::Tensor v_cache,
+                       const at::Tensor& write_at, const at::Tensor& slots, const at::Tensor& count, double scale,
+                       const std::vector<at::Tensor>& o, int64_t o_bits, const at::Tensor& ln2,
+                       const std::vector<at::Tensor>& gate_up, int64_t gu_bits, const std::vector<at::Tensor>& down,
+                       int64_t down_bits) {
+  TORCH_CHECK(hidden.dim() == 3 && embeds.sizes() == hidden.sizes(), "eagle_layer: embeds and hidden [B, T, H]");
+  const int64_t B = hidden.size(0), T = hidden.size(1), H = hidden.size(2);
+  TORCH_CHECK(H % spk::LANES == 0, "eagle_layer: hidden size a multiple of 16");
+  rows_of_float(embeds, H), rows_of_float(hidden, H), rows_of_float(hidden_norm, H);
+  rows_of_float(cos, D), rows_of_float(sin, D);
+  TORCH_CHECK(cos.numel() == B * T * D && sin.numel() == B * T * D, "eagle_layer: cos, sin [B, T, D]");
+  const spk::LayerWeights w = layer_weights(ln1, ln2, eps, 2 * H, qkv, qkv_bits, H, n_heads * D, o, o_bits, gate_up,
+                                            gu_bits, down, down_bits);
+  TORCH_CHECK(w.qkv.N() == (n_heads + 2 * n_kv) * D, "eagle_layer: q/k/v heads");
+  const Attention a = block_attention(B, T, n_kv, D, k_cache, v_cache, write_at, slots, count, scale);
+  auto out = torch::empty({B, T, H}, hidden.options());
+  out_of_range_as_error([&] {
+    spk::eagle_layer(embeds.data_ptr<float>(), hidden.data_ptr<float>(), B, T, H, w, hidden_norm.data_ptr<float>(),
+                     norm_before_residual, cos.data_ptr<float>(), sin.data_ptr<float>(), n_heads, n_kv, D, a.at,
+                     out.data_ptr<float>(), PARALLEL);
+  });
   return out;
 }
 

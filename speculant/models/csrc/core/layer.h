@@ -54,6 +54,13 @@ inline void rotary(float* y, int64_t M, int64_t width, const float* cos, const f
     }
 }
 
+// q/k/v of a block: y [M, qkv.N] = qkv(x), rotary on the first `roped` heads of D
+inline void qkv_rotary(const float* x, int64_t M, const Linear& qkv, const float* cos, const float* sin, int64_t roped,
+                       int64_t D, float* y, const ParallelFor& parallel) {
+  apply(qkv, x, M, y, parallel);
+  rotary(y, M, qkv.N(), cos, sin, roped, D);
+}
+
 // up to attention: norm, the q/k/v matmul, rotary on the first `roped` heads.
 // h [M, H]; cos, sin [M, D]; y [M, qkv.N] (q, k and v heads side by side)
 inline void layer_start(const float* h, int64_t M, int64_t H, const float* ln, float eps, const Linear& qkv,
@@ -61,8 +68,7 @@ inline void layer_start(const float* h, int64_t M, int64_t H, const float* ln, f
                         const ParallelFor& parallel) {
   std::vector<float> x(M * H);
   rms_norm(h, M, H, ln, eps, x.data());
-  apply(qkv, x.data(), M, y, parallel);
-  rotary(y, M, qkv.N(), cos, sin, roped, D);
+  qkv_rotary(x.data(), M, qkv, cos, sin, roped, D, y, parallel);
 }
 
 // the rest: out = h + o(attn), then out += down(silu(gate) * up) of its norm. h, out [M, H]; attn [M, A]
@@ -86,34 +92,76 @@ struct LayerCaches {  // float32 [B, n_kv, S, D], contiguous along D
   int64_t s0, s1, s2, S;
 };
 
-// A whole decoder layer for the passes after the prefill: layer_start; the new keys and values
-// written at (row, write_at); attention, each query over its `count` keys (gathered by `slots` for
-// a tree, else slots 0..); layer_end. h, out [B, T, H]; cos, sin [B, T, D]; write_at, count [B, T].
-inline void layer(const float* h, int64_t B, int64_t T, int64_t H, const float* ln1, float eps, const Linear& qkv,
-                  const float* cos, const float* sin, int64_t n_heads, int64_t n_kv, int64_t D, LayerCaches c,
-                  const int64_t* write_at, const int64_t* slots, int64_t W, const int64_t* count, float scale,
-                  const Linear& o, const float* ln2, const Linear& gate_up, const Linear& down, float* out,
-                  const ParallelFor& parallel) {
-  const int64_t heads = n_heads + 2 * n_kv, M = B * T;
-  std::vector<float> y(M * heads * D), a(M * n_heads * D);
-  layer_start(h, M, H, ln1, eps, qkv, cos, sin, n_heads + n_kv, D, y.data(), parallel);
+struct BlockAttention {  // where a block's keys and values go and which each query sees
+  LayerCaches caches;
+  const int64_t* write_at;  // [B, T]: the cache slot of each token
+  const int64_t* slots;     // [B, T, W]: query t's key x is slot slots[b, t, x]; null: slot x
+  int64_t W;
+  const int64_t* count;  // [B, T]: keys each query sees
+  float scale;
+};
+
+// A block's attention: the new keys and values of y [B, T, heads, D] (q, then n_kv k, then n_kv v
+// heads) written at (row, write_at), then each query over its `count` keys. a: [B, T, n_heads, D]
+inline void attend_block(const float* y, int64_t B, int64_t T, int64_t n_heads, int64_t n_kv, int64_t D,
+                         const BlockAttention& at, float* a, const ParallelFor& parallel) {
+  const int64_t heads = n_heads + 2 * n_kv;
+  const LayerCaches& c = at.caches;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < T; ++t) {
-      const int64_t slot = write_at[b * T + t];
+      const int64_t slot = at.write_at[b * T + t];
       if (slot < 0 || slot >= c.S) throw std::out_of_range("layer: write_at outside the cache");
       for (int64_t j = 0; j < n_kv; ++j) {
-        const float* src = y.data() + ((b * T + t) * heads + n_heads + j) * D;
+        const float* src = y + ((b * T + t) * heads + n_heads + j) * D;
         std::memcpy(c.k + b * c.s0 + j * c.s1 + slot * c.s2, src, D * sizeof(float));
         std::memcpy(c.v + b * c.s0 + j * c.s1 + slot * c.s2, src + n_kv * D, D * sizeof(float));
       }
     }
   // queries [B, n_heads, T, D] read in place from y [B, T, heads, D]; the output [B, T, n_heads, D]
-  const AttentionShape sh{B, n_heads, T, D, n_kv, c.S, W};
-  const Strided4<const float> q{y.data(), T * heads * D, D, heads * D, 1};
+  const AttentionShape sh{B, n_heads, T, D, n_kv, c.S, at.W};
+  const Strided4<const float> q{y, T * heads * D, D, heads * D, 1};
   const Strided4<const float> keys{c.k, c.s0, c.s1, c.s2, 1}, values{c.v, c.s0, c.s1, c.s2, 1};
-  const Strided4<float> att{a.data(), T * n_heads * D, D, n_heads * D, 1};
-  attend<float>(sh, q, keys, values, slots, count, scale, att, parallel);
-  layer_end(h, a.data(), M, H, o, ln2, eps, gate_up, down, out, parallel);
+  const Strided4<float> att{a, T * n_heads * D, D, n_heads * D, 1};
+  attend<float>(sh, q, keys, values, at.slots, at.count, at.scale, att, parallel);
+}
+
+struct LayerWeights {  // a Llama decoder layer's
+  const float *ln1, *ln2;
+  float eps;
+  Linear qkv, o, gate_up, down;
+};
+
+// A whole decoder layer for the passes after the prefill: layer_start, attend_block, layer_end.
+// h, out [B, T, H]; cos, sin [B, T, D].
+inline void layer(const float* h, int64_t B, int64_t T, int64_t H, const LayerWeights& w, const float* cos,
+                  const float* sin, int64_t n_heads, int64_t n_kv, int64_t D, const BlockAttention& at, float* out,
+                  const ParallelFor& parallel) {
+  const int64_t M = B * T;
+  std::vector<float> y(M * (n_heads + 2 * n_kv) * D), a(M * n_heads * D);
+  layer_start(h, M, H, w.ln1, w.eps, w.qkv, cos, sin, n_heads + n_kv, D, y.data(), parallel);
+  attend_block(y.data(), B, T, n_heads, n_kv, D, at, a.data(), parallel);
+  layer_end(h, a.data(), M, H, w.o, w.ln2, w.eps, w.gate_up, w.down, out, parallel);
+}
+
+// EAGLE-3's first layer (speculators' Eagle3 layer): q/k/v read [norm1(embeds), hidden_norm(hidden)]
+// (twice the hidden width), and the residual stream is hidden_norm(hidden) where
+// norm_before_residual, else hidden; the rest is a Llama layer's. embeds, hidden, out [B, T, H].
+inline void eagle_layer(const float* embeds, const float* hidden, int64_t B, int64_t T, int64_t H,
+                        const LayerWeights& w, const float* hidden_norm, bool norm_before_residual, const float* cos,
+                        const float* sin, int64_t n_heads, int64_t n_kv, int64_t D, const BlockAttention& at,
+                        float* out, const ParallelFor& parallel) {
+  const int64_t M = B * T;
+  std::vector<float> e(M * H), n(M * H), x(M * 2 * H), y(M * (n_heads + 2 * n_kv) * D), a(M * n_heads * D);
+  rms_norm(embeds, M, H, w.ln1, w.eps, e.data());
+  rms_norm(hidden, M, H, hidden_norm, w.eps, n.data());
+  for (int64_t r = 0; r < M; ++r) {
+    std::memcpy(x.data() + r * 2 * H, e.data() + r * H, H * sizeof(float));
+    std::memcpy(x.data() + r * 2 * H + H, n.data() + r * H, H * sizeof(float));
+  }
+  qkv_rotary(x.data(), M, w.qkv, cos, sin, n_heads + n_kv, D, y.data(), parallel);
+  attend_block(y.data(), B, T, n_heads, n_kv, D, at, a.data(), parallel);
+  layer_end(norm_before_residual ? n.data() : hidden, a.data(), M, H, w.o, w.ln2, w.eps, w.gate_up, w.down, out,
+            parallel);
 }
 
 }  // namespace spk

@@ -145,14 +145,30 @@ void layers(Random& rng) {
       count[b * T + t] = 11 + b + t;
     }
   std::vector<float> out(B * T * H);
-  spk::layer(h.data(), B, T, H, ln1.data(), 1e-5f, lq, cos.data(), sin.data(), heads, kv, D,
-             {kc.data(), vc.data(), kv * S * D, S * D, D, S}, write_at.data(), nullptr, 0, count.data(), 0.25f, lo,
-             ln2.data(), lg, ld, out.data(), spk::serial_for);
+  const spk::LayerWeights w{ln1.data(), ln2.data(), 1e-5f, lq, lo, lg, ld};
+  const spk::BlockAttention at{{kc.data(), vc.data(), kv * S * D, S * D, D, S}, write_at.data(), nullptr, 0,
+                               count.data(), 0.25f};
+  spk::layer(h.data(), B, T, H, w, cos.data(), sin.data(), heads, kv, D, at, out.data(), spk::serial_for);
   report("layer", out);
   report("layer cache", kc);
   std::vector<float> norm(B * T * H);
   spk::rms_norm(h.data(), B * T, H, ln1.data(), 1e-5f, norm.data());
   report("norm", norm);
+  // EAGLE-3's first layer: q/k/v over [embeds, hidden] (twice the width), a tree's slots
+  const auto pe = random_q8_packed(rng, (heads + 2 * kv) * D, 2 * H, 8);
+  const spk::LayerWeights we{ln1.data(), ln2.data(), 1e-5f, {{pe.data(), (heads + 2 * kv) * D, 2 * H, 8}, bq.data(), true},
+                             lo, lg, ld};
+  const auto hn = rng.floats(H, 0.8f, 1.2f), embeds = rng.floats(B * T * H, -1, 1);
+  std::vector<int64_t> slots(B * T * S);
+  for (int64_t i = 0; i < B * T; ++i)
+    for (int64_t x = 0; x < S; ++x) slots[i * S + x] = x < 10 ? x : (x + 3 * i) % S;
+  const spk::BlockAttention tree{{kc.data(), vc.data(), kv * S * D, S * D, D, S}, write_at.data(), slots.data(), S,
+                                 count.data(), 0.25f};
+  for (bool before : {false, true}) {
+    spk::eagle_layer(embeds.data(), h.data(), B, T, H, we, hn.data(), before, cos.data(), sin.data(), heads, kv, D,
+                     tree, out.data(), spk::serial_for);
+    report(std::string("eagle layer") + (before ? " norm before residual" : ""), out);
+  }
 }
 
 }  // namespace
