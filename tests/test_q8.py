@@ -219,18 +219,19 @@ def test_the_eagle_head_on_the_kernels_computes_its_own_forward(tmp_path):
     chain = torch.arange(S)[None, None] <= positions[..., None]
     tree = chain & (torch.rand(B, T, S, generator=g) < 0.7) | (torch.arange(S)[None, None] == positions[..., None])
 
-    def run(mask, kernels: bool):
+    def run(at, mask, kernels: bool):
         drafter.keys, drafter.values = [k.clone() for k in keys], [v.clone() for v in values]
         layers, drafter.kernel_layers = drafter.kernel_layers, drafter.kernel_layers if kernels else None
         try:
-            out = drafter._step(embeds, hidden, positions, positions, S, mask[:, None])
+            out = drafter._step(embeds, hidden, at, positions, S, mask[:, None])
         finally:
             drafter.kernel_layers = layers
         return out, drafter.keys + drafter.values
 
-    for mask in (chain, tree):
-        (state, normed), caches = run(mask, True)
-        (want_state, want_normed), want_caches = run(mask, False)
+    # a chain; a tree's nodes (each its own visible slots), at their positions or one a row (a depth)
+    for at, mask in ((positions, chain), (positions, tree), (positions[:, :1], tree)):
+        (state, normed), caches = run(at, mask, True)
+        (want_state, want_normed), want_caches = run(at, mask, False)
         torch.testing.assert_close(state, want_state, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(normed, want_normed, rtol=1e-4, atol=1e-4)
         for got, want in zip(caches, want_caches):

@@ -96,6 +96,7 @@ class KernelLayers:
     def step(self, embeds, hidden, positions, write_at, visible, keys, values):
         """``EagleNet.step`` with the keys each query sees given as ``visible`` [B, T, S] (bool)."""
         net, k = self.net, self.k
+        positions = positions.expand(hidden.shape[:2])  # a tree's depth: one position for a row's nodes
         freqs = positions[..., None].float() * net.inv_freq.float()
         emb = torch.cat((freqs, freqs), -1)
         cos, sin = emb.cos().contiguous(), emb.sin().contiguous()
