@@ -174,7 +174,8 @@ def test_a_mismatch_is_shown_loudly_and_sampling_is_not_compared(tmp_path):
     assert (bads[0]["reference_token"], bads[0]["got_token"]) == (7, 9)
     assert first_divergence([1, 2], [1, 2, 3]) == 2 and first_divergence([1], [1]) is None
 
-    from speculant.bench.report import machine_info, write_results
+    from speculant.bench.machine import machine_info
+    from speculant.bench.report import write_results
 
     files = write_results(tmp_path, BenchConfig(target="fake", drafters=[], gammas=[2]), [BenchPrompt(0, "x", "p")], recs,
                           summary, machine_info(torch.device("cpu")))
