@@ -30,7 +30,9 @@ REPO = Path(__file__).resolve().parents[2]
 RESULTS = Path("benchmarks") / "results"
 MANIFEST = RESULTS / "manifest.json"
 DOCS = ("README.md", "docs/*.md")  # the files whose markers this module fills
-MARKER = re.compile(r"(<!-- results-table: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /results-table -->)", re.S)
+# markers stand on lines of their own (a marker quoted inside a line of text is no marker)
+MARKER = re.compile(r"^(<!-- results-table: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)^(<!-- /results-table -->)$", re.S | re.M)
+OPENING, CLOSING = (re.compile(p, re.M) for p in (r"^<!-- results-table: .* -->$", r"^<!-- /results-table -->$"))
 CATEGORIES = {"multi_turn_chat": "chat", "translation": "transl.", "summarization": "summ.",
               "question_answering": "QA", "math_reasoning": "math", "rag": "RAG", "code": "code",
               "agentic": "agentic", "all": "all"}
@@ -218,7 +220,7 @@ def filled(text: str, manifest: dict, results: Path, md_dir: Path) -> tuple[str,
         return m.group(1) + table + m.group(4)
 
     out = MARKER.sub(one, text)
-    if out.count("<!-- results-table:") != out.count("<!-- /results-table -->"):
+    if len(OPENING.findall(out)) != len(CLOSING.findall(out)):
         raise TableError("a results-table marker is not closed by <!-- /results-table -->")
     return out, changed
 
