@@ -62,7 +62,8 @@ def _new_run(folder, cpu_class="AVX2", tok_s=30.0):
     folder.mkdir(parents=True)
     (folder / "results.json").write_text(json.dumps({
         "machine": {"cpu": "Some CPU", "cpu_class": cpu_class, "cpu_flags": ["avx2", "fma"], "commit": "abc"},
-        "ran": {"speculant ngram": {"drafter": "ngram", "dtype": "quantized", "path": "fast"}},
+        "ran": {"speculant ngram": {"drafter": "ngram", "dtype": "float32", "path": "fast",
+                                    "cpu_kernels": "quantized (Q4_1 x210, Q8_0 x1)"}},
         "settings": {"gammas": ["auto"], "temperatures": [0.0], "dtype": None,
                      "primary": {"gamma": "auto", "temperature": 0.0, "batch_size": 1}},
         "prompts": [{"category": "code"}], "summary": summary}))

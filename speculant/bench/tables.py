@@ -154,6 +154,15 @@ def sweep_table(spec: dict, ctx: dict) -> str:
     return markdown([spec.get("corner", "method")] + [c["label"] for c in spec["columns"]], body)
 
 
+def weights(ran: dict) -> str:
+    """The weights a run multiplied with: its dtype, or "quantized" where its kernels were (their
+    activations are float32, so the backend's dtype alone reads float32); a CPU bench's default
+    (no dtype given) is float32."""
+    if str(ran.get("cpu_kernels", "")).startswith("quantized"):
+        return "quantized"
+    return ran.get("dtype") or "float32"
+
+
 def defaults_table(spec: dict, ctx: dict) -> str:
     """Per CPU class: what ``speculant generate`` runs there by default, and how fast, from the run
     each row names (its method's dtype and drafter, tok/s, × plain, × HF generate, τ)."""
@@ -165,7 +174,7 @@ def defaults_table(spec: dict, ctx: dict) -> str:
         machine = machine_of(row["result"], ctx["manifest"], ctx["results"])
         ran = run.get("ran", {}).get(row["method"]) or {"dtype": run["settings"]["dtype"], "drafter": r["drafter"]}
         cpu = f"{machine['cpu_class']}: {machine['cpu']}"
-        runs = f"{ran['dtype'] or 'float32'}, `{ran['drafter']}`" + (f" ({row['note']})" if row.get("note") else "")
+        runs = f"{weights(ran)}, `{ran['drafter']}`" + (f" ({row['note']})" if row.get("note") else "")
         date = re.search(r"\d{4}-\d{2}-\d{2}", row["result"])
         body.append([cpu, runs, fmt(r["tokens_per_second"], ".1f"),
                      f"{fmt(r['speedup_vs_speculant_none'])}×", f"{fmt(r['speedup_vs_hf_generate'])}×",
