@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import speculant
+from speculant.bench.machine import machine_info, what_ran
 from speculant.drafters import make_drafter
 
 PROMPTS = Path(__file__).resolve().parents[1] / "speculant" / "bench" / "prompts" / "default.jsonl"
@@ -35,13 +36,13 @@ def main():
             gen.generate(prompt, max_new_tokens=4)  # warm-up
             out = gen.generate(prompt, max_new_tokens=args.max_new_tokens)
             s = out.stats
-            results.append(dict(category=cat, gamma=g, tokens_per_second=s["tokens_per_second"],
+            results.append(dict(category=cat, gamma=g, ran=what_ran(gen), tokens_per_second=s["tokens_per_second"],
                                 tau=s["mean_accepted_tokens"], alpha=s["acceptance_rate"], mean_gamma=s["mean_gamma"],
                                 new_tokens=s["new_tokens"]))
             print(f"{cat:18s} γ={g:5s} {s['tokens_per_second']:7.2f} tok/s  τ={s['mean_accepted_tokens']:.2f}  "
                   f"α={s['acceptance_rate']:.2f}  mean γ={s['mean_gamma']:.2f}", flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
+        Path(args.out).write_text(json.dumps({"machine": machine_info(), "runs": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ graphs) and general path. Random weights: SmolLM2-135M's shapes and tiny Llamas 
 """
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers import perturbed, tiny_llama  # noqa: E402
 
 import speculant  # noqa: E402
+from speculant.bench.machine import machine_info  # noqa: E402
 from speculant.drafters import ModelDrafter  # noqa: E402
 from speculant.models.fast import FastLlama  # noqa: E402
 
@@ -70,11 +70,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="tiny models only")
     a = ap.parse_args()
     dev = torch.device(a.device)
-    res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else platform.processor(),
-           "torch": torch.__version__, "cuda": torch.version.cuda}
-    import transformers
-
-    res["transformers"] = transformers.__version__
+    res = {"machine": machine_info(dev)}
 
     def log(msg):
         print(msg, flush=True)

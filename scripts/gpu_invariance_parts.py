@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from gpu_invariance import smol  # its sibling script (run as a script, this folder is on sys.path)
+from speculant.bench.machine import machine_info
 from speculant.models import invariant
 from speculant.models.fast import FastLlama, _rms_norm
 
@@ -32,7 +33,7 @@ def main():
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(64, 576, generator=g) * 2).to(dev, dtype)
     w = fast.pass_set.layers[0]
-    res = {"kernels": fast.invariance, "proof": fast.proves_invariance()}
+    res = {"machine": machine_info(dev), "kernels": fast.invariance, "proof": fast.proves_invariance()}
     res["rms_norm"] = rows_equal(lambda t: _rms_norm(t, w["ln1"], fast.eps), x)
     res["rms_norm 3d"] = rows_equal(lambda t: _rms_norm(t[None], w["ln1"], fast.eps)[0], x)
     for name, fn in w.items():

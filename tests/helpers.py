@@ -77,6 +77,25 @@ def assert_same_or_bf16_near_tie(model, prompt: list[int], ref: list[int], got: 
     assert top - float(logits[got[k]]) <= steps * bf16_step, mismatch_report(model, prompt, ref, got)
 
 
+def each_pass(gen, prompts: list[list[int]], max_new_tokens: int):
+    """Drive one batch of ``gen`` pass by pass, as the engine's own loop does; once a pass has handed
+    out its rows' tokens (before the next drafts), yield the batch this test holds, every row's text
+    so far (prompt and accepted tokens) and the tokens each row got from the pass, keyed by row.
+    Reads the batch the test holds, not the engine's last one."""
+    batch = gen.start_batch(prompts, [max_new_tokens] * len(prompts), [None] * len(prompts))
+    texts = {i: list(p) for i, p in enumerate(prompts)}
+    try:
+        while not batch.done:
+            got = {}
+            for row, new in gen.engine.step(batch):
+                texts[row].extend(new)
+                got[row] = new
+                if row == batch.active[-1]:  # the pass's last running row: its rows are all out
+                    yield batch, texts, got
+    finally:
+        gen.engine.finish(batch)
+
+
 def save_tiny_folder(path, vocab: int = 96, seed: int = 0, context: int = 512):
     """A model folder like a user's: tiny random Llama + a word-level tokenizer (w0 w1 ...)."""
     from tokenizers import Tokenizer, models, pre_tokenizers

@@ -174,12 +174,16 @@ def test_a_mismatch_is_shown_loudly_and_sampling_is_not_compared(tmp_path):
     assert (bads[0]["reference_token"], bads[0]["got_token"]) == (7, 9)
     assert first_divergence([1, 2], [1, 2, 3]) == 2 and first_divergence([1], [1]) is None
 
-    from speculant.bench.report import machine_info, write_results
+    from speculant.bench.machine import machine_info
+    from speculant.bench.report import write_results
 
+    ran = {"speculant fake": {"drafter": "fake", "dtype": "float32", "path": "fast"}}
     files = write_results(tmp_path, BenchConfig(target="fake", drafters=[], gammas=[2]), [BenchPrompt(0, "x", "p")], recs,
-                          summary, machine_info(torch.device("cpu")))
+                          summary, machine_info(torch.device("cpu")), ran)
     md = files["markdown"].read_text()
     assert "OUTPUT MISMATCH: 1 greedy output(s) differ" in md and "❌ NO (1 of 2 differ)" in md
+    saved = json.loads(files["json"].read_text())  # what the docs' tables are written from
+    assert saved["ran"] == ran and {"commit", "cpu_class", "cpu_flags", "cpu_capability", "gpu"} <= set(saved["machine"])
 
 
 # ---------------------------------------------------------------- the real engine, a scripted drafter
@@ -296,6 +300,9 @@ def test_quick_run_writes_every_output_file(tiny, tmp_path, capsys):
     data = json.loads((out / "results.json").read_text())
     assert {"machine", "settings", "summary", "records", "mismatches"} <= set(data)
     assert data["machine"]["torch"] == torch.__version__ and data["machine"]["cpu"]
+    ran = data["ran"]  # what each speculant method ran, as its Generator built it
+    assert set(ran) == {SPECULANT_NONE, "speculant ngram", f"speculant model:{tiny['draft']}"}
+    assert ran["speculant ngram"]["drafter"] == "ngram" and ran[SPECULANT_NONE]["dtype"] == "float32"
     assert len(data["prompts"]) == 4  # --quick: 2 prompts per category
     methods = {r["method"] for r in data["records"]}
     assert methods == {HF_GENERATE, SPECULANT_NONE, "hf assisted ngram", "speculant ngram",
@@ -354,6 +361,7 @@ def test_serve_load_runs_warm_waves_then_both_modes_and_refuses_bad_options(tmp_
                             "--out", str(out)]) == 0
     result = json.loads((out / "serve_load.json").read_text())
     assert result["warmup_waves"] == 1 and result["endpoint"] == "completions"
+    assert result["ran"]["drafter"] == "ngram" and result["machine"]["cpu_class"]
     assert [(r["concurrency"], r["speculate"]) for r in result["rows"]] == [(1, False), (1, True), (4, False), (4, True)]
     assert all(r["failures"] == 0 and r["generated_tokens"] > 0 for r in result["rows"])
     assert serve_load.main(["--warmup-waves", "-1"]) == 2

@@ -5,7 +5,7 @@ import torch
 
 import speculant
 from speculant.drafters import ModelDrafter, NgramDrafter, NoDrafter
-from helpers import hf_greedy, mismatch_report, perturbed, tiny_llama
+from helpers import each_pass, hf_greedy, mismatch_report, perturbed, tiny_llama
 
 SEEDS = [0, 1, 2]
 
@@ -85,16 +85,13 @@ def test_kv_caches_equal_a_fresh_prefill_after_rejections(path, kind):
     drafter = ModelDrafter(perturbed(target, 0.5)) if kind == "model" else LayerSkipDrafter(target, [1])
     gen = speculant.Generator(speculant.models.LoadedModel(target, None, "tiny"), drafter, gamma=4, path=path)
     prompts = _prompts(5)
-    it = gen.stream_ids(prompts, max_new_tokens=30)
-    texts = {i: list(p) for i, p in enumerate(prompts)}
     checked = rejections = 0
-    for row, new in it:
-        texts[row].extend(new)
-        rejections += len(new) < 5 and len(texts[row]) - len(prompts[row]) < 25
-        if row != gen.engine.slots[-1]:
-            continue  # check once per pass, after the last active row was emitted
-        state = gen.engine.state
-        for slot, r in enumerate(gen.engine.slots):
+    for batch, texts, got in each_pass(gen, prompts, 30):
+        # a pass whose draft was cut short (fewer than γ + 1 tokens): not the prefill's one token, not the cap
+        rejections += sum(len(prompts[r]) < len(texts[r]) - len(new) and len(new) < 5
+                          and len(texts[r]) - len(prompts[r]) < 25 for r, new in got.items())
+        state = batch.state
+        for slot, r in enumerate(batch.active):
             accepted = texts[r][:-1]  # the newest token is fed at the next pass
             with torch.no_grad():
                 fresh = target(torch.tensor([accepted]), use_cache=True).past_key_values

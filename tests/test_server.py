@@ -200,36 +200,83 @@ def test_api_key(folder):
         s.close()
 
 
-def test_queue_full_is_429_and_timeout_is_408(folder):
-    s = Served(_gen(folder, "none"), max_batch_size=1, max_queue=1, request_timeout=30)
-    try:
-        async def burst():
-            async with httpx.AsyncClient(timeout=60) as http:
-                body = {"model": "tiny", "prompt": "w1 w2", "max_tokens": 300, "temperature": 0}
-                return await asyncio.gather(*[http.post(s.url + "/v1/completions", json=body) for _ in range(6)])
+class HeldPasses:
+    """A served engine whose passes wait until ``release()`` (after ``free`` passes that run at
+    once): what a request meets while it runs is the test's to arrange, not the clock's. Events:
+    ``holding`` (a pass waits), ``cancelled`` (the server cancelled a request's jobs), ``finished``
+    (a batch ended: its rows left the engine)."""
 
-        codes = [r.status_code for r in asyncio.run(burst())]
-        assert 429 in codes and 200 in codes and set(codes) <= {200, 429}, codes
+    def __init__(self, served: Served, free: int = 0):
+        sched = served.scheduler
+        engine, step, finish, cancel = sched.gen.engine, sched.gen.engine.step, sched.gen.engine.finish, sched.cancel
+        self.holding, self.released = threading.Event(), threading.Event()
+        self.cancelled, self.finished = threading.Event(), threading.Event()
+        passes = [0]
+
+        def held_step(batch):
+            passes[0] += 1
+            if passes[0] > free:
+                self.holding.set()
+                assert self.released.wait(30), "the test never released the passes"
+            yield from step(batch)
+
+        def finish_and_tell(batch):
+            try:
+                return finish(batch)
+            finally:
+                self.finished.set()
+
+        def cancel_and_tell(jobs):
+            cancel(jobs)
+            self.cancelled.set()
+
+        engine.step, engine.finish, sched.cancel = held_step, finish_and_tell, cancel_and_tell
+
+    def release(self):
+        self.released.set()
+
+
+def test_queue_full_is_429_and_timeout_is_408(folder):
+    from concurrent.futures import ThreadPoolExecutor
+
+    s = Served(_gen(folder, "none"), max_batch_size=1, max_queue=1, request_timeout=30)
+    held = HeldPasses(s)
+    queued, submit = threading.Semaphore(0), s.scheduler.submit
+    s.scheduler.submit = lambda jobs: (submit(jobs), queued.release())  # a request's jobs are in
+    body = {"model": "tiny", "prompt": "w1 w2", "max_tokens": 8, "temperature": 0}
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(httpx.post, s.url + "/v1/completions", json=body, timeout=60)
+            assert queued.acquire(timeout=30) and held.holding.wait(30)  # the one row runs
+            second = pool.submit(httpx.post, s.url + "/v1/completions", json=body, timeout=60)
+            assert queued.acquire(timeout=30)  # the queue's one place is taken
+            refused = [httpx.post(s.url + "/v1/completions", json=body, timeout=60) for _ in range(4)]
+            held.release()
+            codes = [first.result().status_code, second.result().status_code] + [r.status_code for r in refused]
+        assert codes == [200, 200, 429, 429, 429, 429], codes
         # more completions than the queue ever holds: a 400 (a 429 would have the client retry forever)
         r = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "w1", "max_tokens": 2, "n": 2})
         assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "--max-queue 1" in r.text, r.text
     finally:
         s.close()
     s = Served(_gen(folder, "none"), request_timeout=0.3)
+    held = HeldPasses(s)  # the request cannot end before its time runs out
     try:
         r = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "w1", "max_tokens": 400,
                                                         "temperature": 0}, timeout=30)
         assert r.status_code == 408 and "longer than" in r.json()["error"]["message"]
-        deadline = time.time() + 10  # the timed-out row left the engine
-        while s.scheduler.batch_size() and time.time() < deadline:
-            time.sleep(0.05)
+        assert held.cancelled.wait(10)
+        held.release()
+        assert held.finished.wait(10)  # the timed-out row left the engine
         assert s.scheduler.batch_size() == 0
+        assert s.app.state.speculant["metrics"].totals["generated"] < 400
     finally:
         s.close()
 
 
 def test_a_client_that_disconnects_frees_its_row(folder):
     s = Served(_gen(folder, "none"))
+    held = HeldPasses(s, free=4)  # a few tokens reach the client, then the passes wait
     try:
         with httpx.Client(timeout=30) as http:
             body = {"model": "tiny", "prompt": "w1 w2", "max_tokens": 450, "temperature": 0, "stream": True}
@@ -237,9 +284,8 @@ def test_a_client_that_disconnects_frees_its_row(folder):
                 lines = r.iter_lines()
                 got = [next(lines) for _ in range(3)]
                 assert got[0].startswith("data: ")
-        deadline = time.time() + 10
-        while s.scheduler.batch_size() and time.time() < deadline:
-            time.sleep(0.02)
+        held.release()  # the next tokens find the client gone
+        assert held.cancelled.wait(10) and held.finished.wait(10)
         assert s.scheduler.batch_size() == 0
         metrics = s.app.state.speculant["metrics"]
         assert metrics.totals["generated"] < 450  # it stopped early, not at max_tokens
@@ -249,13 +295,14 @@ def test_a_client_that_disconnects_frees_its_row(folder):
 
 def test_a_client_that_gives_up_on_a_plain_request_frees_its_row(folder):
     s = Served(_gen(folder, "none"))
+    held = HeldPasses(s)  # the request cannot end before the client gives up
     try:
         body = {"model": "tiny", "prompt": "w1 w2", "max_tokens": 500, "temperature": 0}
         with pytest.raises(httpx.TimeoutException):  # the client gives up and closes the connection
             httpx.post(s.url + "/v1/completions", json=body, timeout=0.3)
-        deadline = time.time() + 10
-        while s.scheduler.batch_size() and time.time() < deadline:
-            time.sleep(0.02)
+        assert held.cancelled.wait(10)  # the server saw it leave
+        held.release()
+        assert held.finished.wait(10)
         assert s.scheduler.batch_size() == 0
         metrics = s.app.state.speculant["metrics"]
         assert metrics.totals["generated"] < 500 and 'status="499"' in metrics.text().decode()
@@ -271,12 +318,15 @@ def test_scheduler_groups_compatible_jobs_and_refuses_past_its_queue():
         released; its batches end at once (so none takes joiners)."""
 
         def __init__(self):
-            self.release = threading.Event()
+            self.started, self.release, self.all_seen = threading.Event(), threading.Event(), threading.Event()
             self.engine = self
 
         def start_batch(self, prompts, max_tokens, stops, seed=None, cancelled=None, **sampling):
+            self.started.set()
             self.release.wait(10)
             seen.append([p[0] for p in prompts])
+            if sum(map(len, seen)) == 5:
+                self.all_seen.set()
             return types.SimpleNamespace(done=True, rows=[], active=[])
 
         def finish(self, batch):
@@ -290,15 +340,13 @@ def test_scheduler_groups_compatible_jobs_and_refuses_past_its_queue():
     sink = lambda ev: None  # noqa: E731
     try:
         sched.submit([Job([0], 1, sink, group="a")])
-        time.sleep(0.1)  # job 0 is running (blocked)
+        assert gen.started.wait(10)  # job 0 is running (held in its prefill)
         sched.submit([Job([1], 1, sink, group="a"), Job([2], 1, sink, group="b"), Job([3], 1, sink, group="a"),
                       Job([4], 1, sink, group="a")])
         with pytest.raises(QueueFull):
             sched.submit([Job([5], 1, sink, group="a")])
         gen.release.set()
-        deadline = time.time() + 10
-        while sum(map(len, seen)) < 5 and time.time() < deadline:
-            time.sleep(0.02)
+        assert gen.all_seen.wait(10)
     finally:
         sched.close()
     assert seen == [[0], [1, 3], [2], [4]]
@@ -311,10 +359,14 @@ def test_scheduler_joins_only_while_no_other_group_waits_ahead_and_a_failed_join
     events = []
 
     class Passes:
-        """Stands in for a Generator and its engine: a batch runs 3 passes per row it holds."""
+        """Stands in for a Generator and its engine: a batch runs 3 passes per row it holds, each
+        pass held until the test lets it end (``during_a_pass``), so what arrives during which pass
+        is the test's to say."""
 
         def __init__(self):
             self.engine = self
+            self.in_pass, self.let_pass_end = threading.Semaphore(0), threading.Semaphore(0)
+            self.three_ended = threading.Event()
 
         def start_batch(self, prompts, max_tokens, stops, seed=None, cancelled=None, **sampling):
             ids = [p[0] for p in prompts]
@@ -329,32 +381,38 @@ def test_scheduler_joins_only_while_no_other_group_waits_ahead_and_a_failed_join
             batch.passes += 3
 
         def step(self, batch):
-            time.sleep(0.1)
+            self.in_pass.release()
+            assert self.let_pass_end.acquire(timeout=10)
             batch.passes -= 1
             batch.done = batch.passes <= 0
             return iter(())
 
         def finish(self, batch):
             events.append(("end", batch.active))
+            if sum(e[0] == "end" for e in events) == 3:
+                self.three_ended.set()
             return []
 
         def outputs(self, rows, stop):
             return []
 
+        def during_a_pass(self, submit):
+            """Submit while a pass runs: the scheduler sees the jobs between this pass and the next."""
+            assert self.in_pass.acquire(timeout=10)
+            submit()
+            self.let_pass_end.release()
+
     got = {}
-    sched = Scheduler(Passes(), max_batch_size=8, max_queue=8)
+    gen = Passes()
+    sched = Scheduler(gen, max_batch_size=8, max_queue=8)
     sink = lambda name: (lambda ev: got.setdefault(name, ev))  # noqa: E731
     try:
         sched.submit([Job([0], 1, sink(0), group="a")])
-        time.sleep(0.02)  # batch [0] runs its passes
-        sched.submit([Job([1], 1, sink(1), group="a")])
-        time.sleep(0.15)  # [1] joined
-        sched.submit([Job([99], 1, sink(99), group="a")])
-        time.sleep(0.15)  # [99] failed alone
-        sched.submit([Job([2], 1, sink(2), group="b"), Job([3], 1, sink(3), group="a")])
-        deadline = time.time() + 10
-        while len([e for e in events if e[0] == "end"]) < 3 and time.time() < deadline:
-            time.sleep(0.02)
+        gen.during_a_pass(lambda: sched.submit([Job([1], 1, sink(1), group="a")]))  # [1] joins after it
+        gen.during_a_pass(lambda: sched.submit([Job([99], 1, sink(99), group="a")]))  # [99] fails alone
+        gen.during_a_pass(lambda: sched.submit([Job([2], 1, sink(2), group="b"), Job([3], 1, sink(3), group="a")]))
+        gen.let_pass_end.release(100)  # the rest runs on its own
+        assert gen.three_ended.wait(10)
     finally:
         sched.close()
     assert events == [("start", [0]), ("start", [1]), ("join", [1]), ("end", [0, 1]), ("start", [2]), ("end", [2]),

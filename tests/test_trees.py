@@ -9,7 +9,7 @@ from speculant.drafters import NgramDrafter, SuffixDrafter
 from speculant.drafters.base import DraftContext, Drafter, Proposal, tree_proposal
 from speculant.errors import SpeculantError
 from speculant.models import LoadedModel
-from helpers import hf_greedy, mismatch_report, tiny_llama
+from helpers import each_pass, hf_greedy, mismatch_report, tiny_llama
 from test_engine_sampling import PARAMS, exact_distribution, fit_pvalue, peaked, sample_counts
 
 
@@ -113,19 +113,15 @@ def test_caches_equal_a_fresh_prefill_after_tree_passes(path, batch):
     prompts = _prompts(4, seed=5)[:batch]
     refs = [hf_greedy(target, p, 30) for p in prompts]
     gen = speculant.Generator(LoadedModel(target, None, "tiny"), OracleTree(refs, 96, seed=1), gamma=9, path=path)
-    texts = {i: list(p) for i, p in enumerate(prompts)}
     checked = moved = 0
-    for row, new in gen.stream_ids(prompts, max_new_tokens=30):
-        texts[row].extend(new)
-        moved += len(new) > 1
-        if row != gen.engine.slots[-1]:
-            continue  # check once per pass, after the last active row was emitted
-        for slot, r in enumerate(gen.engine.slots):
+    for batch, texts, got in each_pass(gen, prompts, 30):
+        moved += sum(len(new) > 1 for new in got.values())
+        for slot, r in enumerate(batch.active):
             accepted = texts[r][:-1]  # the newest token is fed at the next pass
             with torch.no_grad():
                 fresh = target(torch.tensor([accepted]), use_cache=True).past_key_values
             for layer in range(3):
-                k, v = gen.engine.state.valid_kv(slot, layer)
+                k, v = batch.state.valid_kv(slot, layer)
                 torch.testing.assert_close(k, fresh.layers[layer].keys[0], atol=1e-5, rtol=1e-4)
                 torch.testing.assert_close(v, fresh.layers[layer].values[0], atol=1e-5, rtol=1e-4)
             checked += 1

@@ -14,7 +14,8 @@ from . import peers
 from .methods import AUTO, MethodRunner
 from .metrics import mismatches, summarize
 from .prompts import read_prompts, select_prompts
-from .report import device_label, machine_info, write_results
+from .machine import device_label, machine_info
+from .report import write_results
 from .runner import BenchConfig, count_calls, plan, run_benchmark
 
 QUICK_PER_CATEGORY, QUICK_MAX_NEW_TOKENS = 2, 32
@@ -161,7 +162,7 @@ def cmd_bench(args) -> int:
     with tqdm(total=total, desc="bench", unit="call", disable=args.no_progress, file=sys.stderr) as bar:
         records = run_benchmark(config, prompts, runner, progress=bar.update)
     summary = summarize(records)
-    files = write_results(out_dir, config, prompts, records, summary, machine)
+    files = write_results(out_dir, config, prompts, records, summary, machine, runner.what_ran())
     print(files["markdown"].read_text())
     bad = mismatches(records)
     for m in bad:

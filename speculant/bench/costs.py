@@ -28,7 +28,7 @@ from ..models import cpu_kernels
 from ..models.backend import Backend
 from ..models.loading import load_model
 from ..sampling import SamplingParams
-from .report import machine_info
+from .machine import machine_info
 
 SHAPES = {
     "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,

@@ -22,6 +22,7 @@ from ..errors import SpeculantError
 from ..models.loading import resolve_device, resolve_model_path
 from ..tools.loader import load
 from . import peers as peer_runtimes
+from .machine import what_ran
 from .prompts import BenchPrompt
 
 HF_GENERATE = "hf generate"
@@ -183,6 +184,10 @@ class MethodRunner:
         if pad is None:
             pad = getattr(self.target.model.generation_config, "pad_token_id", None)
         self.pad_token_id = pad if pad is not None else (min(eos) if eos else 0)
+
+    def what_ran(self) -> dict:
+        """Each speculant method's drafter, dtype, path and kernels, as its Generator runs them."""
+        return {SPECULANT_NONE if d == "none" else f"speculant {d}": what_ran(g) for d, g in self.generators.items()}
 
     def encode(self, prompt: BenchPrompt) -> list[int]:
         return self.generators["none"].encode(prompt.prompt, self.chat_template)

@@ -1,54 +1,16 @@
-"""Writing a results folder: results.json (every raw record + the machine), summary.csv,
+"""Writing a results folder: results.json (every raw record, the machine and what ran), summary.csv,
 records.csv, results.md (README-ready tables) and PNG plots."""
 from __future__ import annotations
 
 import csv
 import json
-import os
-import platform
 from pathlib import Path
 
-import torch
-
-from ..models.cpu_kernels import cpu_capability
-from ..version import __version__
+from .machine import device_label
 from .methods import HF_GENERATE, SPECULANT_NONE
 from .metrics import ALL, find, mismatches, sweep_series
 
 SWEEP_AXES = {"gamma": "γ", "temperature": "temperature", "batch_size": "batch size"}
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def machine_info(device) -> dict:
-    """The machine a run measured: CPU (its ISA and threads), GPU, library versions."""
-    import transformers  # takes a second to import: only with a model to run (loaded by then)
-
-    info = {
-        "cpu": cpu_model(), "cpu_count": os.cpu_count(), "cpu_capability": cpu_capability(),
-        "threads": torch.get_num_threads(), "platform": platform.platform(),
-        "python": platform.python_version(), "torch": torch.__version__,
-        "transformers": transformers.__version__, "speculant": __version__,
-        "device": str(device), "gpu": None, "hostname": platform.node(),
-    }
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-        info["cuda"] = torch.version.cuda
-    return info
-
-
-def device_label(machine: dict) -> str:
-    """The processor the run used: the GPU for a CUDA run, else the CPU."""
-    return machine["gpu"] if machine["device"].startswith("cuda") and machine["gpu"] else machine["cpu"]
 
 
 def _fmt(x, spec=".2f", none="—"):
@@ -231,8 +193,10 @@ def sweeps(config, summary: list[dict]) -> dict:
     return out
 
 
-def write_results(out_dir: Path, config, prompts, records: list[dict], summary: list[dict], machine: dict) -> dict:
-    """Write every output file; returns {name: path}."""
+def write_results(out_dir: Path, config, prompts, records: list[dict], summary: list[dict], machine: dict,
+                  ran: dict | None = None) -> dict:
+    """Write every output file; returns {name: path}. ``machine``: ``machine.machine_info()``;
+    ``ran``: each speculant method's ``machine.what_ran`` (its drafter, dtype, path, kernels)."""
     import matplotlib  # plots only: matplotlib is slow to import
 
     matplotlib.use("Agg")
@@ -250,7 +214,7 @@ def write_results(out_dir: Path, config, prompts, records: list[dict], summary: 
     settings["gamma_auto_means"] = "speculant's adaptive controller (speculant/controller.py); HF's own schedule for HF assisted"
     files["json"] = out_dir / "results.json"
     with open(files["json"], "w") as f:
-        json.dump({"machine": machine, "settings": settings,
+        json.dump({"machine": machine, "ran": ran or {}, "settings": settings,
                    "prompts": [vars(x) for x in prompts], "summary": summary,
                    "mismatches": bad, "plain_vs_hf": plain_vs_hf, "records": records}, f, indent=1)
     files["summary_csv"] = out_dir / "summary.csv"

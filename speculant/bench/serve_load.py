@@ -6,7 +6,8 @@
 Starts the server in this process on a loopback port, then for each concurrency level sends the
 bench's prompts (chat, greedy) with the OpenAI client, once with speculation and once with
 ``speculate: false`` (plain decoding through the same engine), and reports requests/s, generated
-tokens/s, p50/p99 latency and time to first token. Writes serve_load.json and prints a table.
+tokens/s, p50/p99 latency and time to first token. Writes serve_load.json (with the machine and
+what ran: ``bench/machine.py``) and prints a table.
 With ``--warmup-waves N``, N unmeasured speculative waves at each level come first: the γ
 controller measures what passes cost at a new batch size once per engine, so the measured waves
 show a server that has run a while (the first wave pays for that measuring).
@@ -25,7 +26,7 @@ from ..errors import SpeculantError
 from ..server.background import BackgroundServer
 from ..tools.loader import load
 from .prompts import read_prompts
-from .report import cpu_model
+from .machine import machine_info, what_ran
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -102,8 +103,8 @@ def run(args) -> dict:
     finally:
         served.close()
     stats = app.state.speculant["metrics"].totals
-    return {"target": args.target, "drafter": gen.drafter.describe(), "backend": gen.backend.info(),
-            "max_tokens": args.max_tokens, "endpoint": "chat" if chat else "completions", "machine": cpu_model(),
+    return {"target": args.target, "machine": machine_info(gen.target.device), "ran": what_ran(gen),
+            "max_tokens": args.max_tokens, "endpoint": "chat" if chat else "completions",
             "warmup_waves": args.warmup_waves, "server_totals": stats, "rows": rows}
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from speculant.bench.machine import machine_info
 from speculant.models.fast import FastLlama
 from speculant.models.loading import default_model_path, load_model
 
@@ -143,6 +144,7 @@ def main() -> None:
         results = {name: openvino_runs(xml, cfg, contexts, block, a.rounds) for name, cfg in CONFIGS.items()}
     results["speculant quantized"] = ours(contexts, block, a.rounds)
     results["threads"] = 2
+    results["machine"] = machine_info()
     for name, r in results.items():
         if isinstance(r, dict):
             print(f"{name:40s} " + "  ".join(f"{w}: {p['ms']:.1f} ms{'' if p['rows_same_bits'] else ' (bits differ)'}"

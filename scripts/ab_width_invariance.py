@@ -14,6 +14,7 @@ import time
 import torch
 
 import speculant
+from speculant.bench.machine import machine_info, what_ran
 from speculant.bench.prompts import read_prompts, select_prompts
 
 
@@ -50,7 +51,8 @@ def main():
                 texts[k][i] = o.token_ids
         print(f"round {r + 1}: " + ", ".join(f"{v} {d} {t[0] / t[1]:.1f} tok/s" for (v, d), t in totals.items()),
               flush=True)
-    res = {"dtype": a.dtype, "torch": torch.__version__, "rounds": a.rounds, "prompts": len(ids),
+    res = {"machine": machine_info(), "ran": {f"after {d}": what_ran(gens[("after", d)]) for d in ("none", "default")},
+           "dtype": a.dtype, "torch": torch.__version__, "rounds": a.rounds, "prompts": len(ids),
            "max_new_tokens": a.max_new_tokens, "results": {}}
     for (v, d), (tok, sec, passes) in totals.items():
         res["results"][f"{v} {d}"] = {"tokens_per_second": round(tok / sec, 2), "tau": round(tok / passes, 3),

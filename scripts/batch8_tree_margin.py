@@ -1,6 +1,11 @@
-"""Batch 8 side by side: none vs eagle+ngram at TREE_MARGIN 0.9 and 1.0 (24 prompts, 3 batches of 8)."""
+"""Batch 8 side by side: none vs eagle+ngram at TREE_MARGIN 0.9 and 1.0 (24 prompts, 3 batches of 8).
+
+    OUT_JSON=batch8-tree-margin-bf16.json python scripts/batch8_tree_margin.py bfloat16 0.9,1.0
+
+Made benchmarks/results/cpu-AVX512BF16-2026-11-25-stacked-matmuls/batch8-tree-margin-bf16.json."""
 import sys, time, json
 import torch, speculant
+from speculant.bench.machine import machine_info
 from pathlib import Path
 from speculant.controller import GammaController
 dtype = sys.argv[1]; margins = [float(x) for x in sys.argv[2].split(",")]; bs = int(sys.argv[3]) if len(sys.argv) > 3 else 8
@@ -27,6 +32,6 @@ for name, (n, sec, passes) in acc.items():
 import os
 OUT_JSON = os.environ.get("OUT_JSON")
 if OUT_JSON:
-    json.dump({"argv": sys.argv, "machine": "2-core AMD EPYC (Zen 4), AVX-512 + AVX512-BF16, no AMX", "torch": torch.__version__,
+    json.dump({"argv": sys.argv, "machine": machine_info(),
                "results": {" | ".join(map(str, k)) if isinstance(k, tuple) else k: v for k, v in acc.items()}},
               open(OUT_JSON, "w"), indent=1)

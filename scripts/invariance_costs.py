@@ -11,6 +11,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from speculant.bench.machine import machine_info
 from speculant.models import cpu_attention, invariant
 from speculant.models.cpu_kernels import PackedLinear, machine_key
 
@@ -29,7 +30,7 @@ def main():
     ap.add_argument("--out", default="invariance-costs.json")
     a = ap.parse_args()
     dt, g = torch.bfloat16, torch.Generator().manual_seed(0)
-    res = {"machine": machine_key(), "threads": torch.get_num_threads(), "attention_us": [], "linear_us": {}}
+    res = {"machine": machine_info(), "kernel_cache_key": machine_key(), "threads": torch.get_num_threads(), "attention_us": [], "linear_us": {}}
     modes = {"kernel": ("kernel", invariant.WIDE), "tiled": ("tiled", invariant.WIDE),
              "batched": ("batched", invariant.WIDE)}
     if cpu_attention.kernel() is None:

@@ -1,6 +1,11 @@
-"""Side by side in one process: separate vs stacked projections (target bf16 packs and the EAGLE head)."""
+"""Side by side in one process: separate vs stacked projections (target bf16 packs and the EAGLE head).
+
+    OUT_JSON=stacking-ab-bf16.json python scripts/stacking_ab.py bfloat16 none,eagle+ngram
+
+Made benchmarks/results/cpu-AVX512BF16-2026-11-25-stacked-matmuls/stacking-ab-*.json."""
 import sys, time, json
 import torch, speculant
+from speculant.bench.machine import machine_info
 from pathlib import Path
 from speculant.models import cpu_kernels
 dtype = sys.argv[1]; drafters = sys.argv[2].split(",")
@@ -35,6 +40,6 @@ for k, (n, sec, passes, dsec) in acc.items():
 import os
 OUT_JSON = os.environ.get("OUT_JSON")
 if OUT_JSON:
-    json.dump({"argv": sys.argv, "machine": "2-core AMD EPYC (Zen 4), AVX-512 + AVX512-BF16, no AMX", "torch": torch.__version__,
+    json.dump({"argv": sys.argv, "machine": machine_info(),
                "results": {" | ".join(map(str, k)) if isinstance(k, tuple) else k: v for k, v in acc.items()}},
               open(OUT_JSON, "w"), indent=1)

@@ -11,6 +11,7 @@ import time
 import torch
 
 import speculant
+from speculant.bench.machine import machine_info
 from speculant.bench.prompts import read_prompts, select_prompts
 
 DRAFTERS = ["ngram", "ngram:tree", "suffix", "eagle", "eagle+ngram", "layerskip"]
@@ -31,7 +32,7 @@ def main():
     model = plain_gen.target.model
     t0 = time.time()
     plain = [o.token_ids for o in (plain_gen.generate_ids([x], max_new_tokens=a.max_new_tokens)[0] for x in ids)]
-    res = {"dtype": a.dtype, "torch": torch.__version__, "prompts": len(ids),
+    res = {"machine": machine_info(), "dtype": a.dtype, "torch": torch.__version__, "prompts": len(ids),
            "backend": plain_gen.backend.info(), "cases": {}}
     # plain decoding against HF generate (the model's own computation in this dtype), with the gap where they part
     agree, gaps = 0, []

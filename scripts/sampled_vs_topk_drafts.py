@@ -1,15 +1,17 @@
 """T=1: expected first-step acceptance of (a) one sampled draft from the head's q: sum min(p, q);
-(b) deterministic top-k nodes of q: sum of p over them; on the bench answers (teacher-forced)."""
+(b) deterministic top-k nodes of q: sum of p over them; on the bench answers (teacher-forced).
+Reads bench_answers_4_128.pt from head_on_bench_answers.py (run from the same folder)."""
 import json, sys, random
 from pathlib import Path
 from collections import defaultdict
 import torch
 from safetensors.torch import load_file
+from speculant.bench.machine import machine_info
 from speculant.models.loading import load_model
 from speculant.trained.eagle import EagleNet, EagleTrainer
 from speculant.tools.train_batched import tapped_features
 torch.set_grad_enabled(False)
-head_dir = str(Path(__file__).resolve().parents[4] / "speculant/data/drafters/eagle-smollm2-135m")
+head_dir = str(Path(__file__).resolve().parents[1] / "speculant/data/drafters/eagle-smollm2-135m")
 seqs = torch.load("bench_answers_4_128.pt")  # written by head_on_bench_answers.py
 target = load_model("default", device="cpu", dtype="float32"); model = target.model
 cfg = json.loads((Path(head_dir) / "config.json").read_text())
@@ -34,5 +36,5 @@ for c, ids, lf in seqs:
         acc[(T, "rows")] += qq.shape[0]
 for T in (1.0, 0.7):
     print(f"T={T}: " + ", ".join(f"{k[1]} {v / acc[(T, 'rows')]:.3f}" for k, v in acc.items() if k[0] == T and k[1] != "rows"))
-json.dump({str(T): {k[1]: round(v / acc[(T, "rows")], 3) for k, v in acc.items() if k[0] == T and k[1] != "rows"}
-           for T in (1.0, 0.7)}, open("sampled-vs-topk-drafts.json", "w"), indent=1)
+json.dump({"machine": machine_info(), **{str(T): {k[1]: round(v / acc[(T, "rows")], 3) for k, v in acc.items()
+                                             if k[0] == T and k[1] != "rows"} for T in (1.0, 0.7)}}, open("sampled-vs-topk-drafts.json", "w"), indent=1)

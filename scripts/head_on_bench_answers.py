@@ -1,21 +1,27 @@
 """Shipped EAGLE head on the bench's own greedy answers: per category chain τ, step-0 top-1/top-8 accuracy by
-answer position, draft-vocab coverage."""
+answer position, draft-vocab coverage. Run from the folder that is to hold its outputs:
+
+    python scripts/head_on_bench_answers.py [PROMPTS_PER_CATEGORY [HEAD_DIR [OUT.json]]]
+
+It saves the answers (bench_answers_4_128.pt) for draft_vocab_coverage.py and
+sampled_vs_topk_drafts.py. Made benchmarks/results/cpu-AVX512BF16-2026-11-25-bench-answers/."""
 import json, sys, time, random
 from pathlib import Path
 from collections import defaultdict
 import torch
 from safetensors.torch import load_file
+from speculant.bench.machine import machine_info
 from speculant.models.loading import load_model
 from speculant.trained.eagle import EagleNet, EagleTrainer
 from speculant.tools.train_batched import tapped_features
 torch.set_grad_enabled(False)
 N_PER = int(sys.argv[1]) if len(sys.argv) > 1 else 4
 TOK = 128
-head_dir = sys.argv[2] if len(sys.argv) > 2 else str(Path(__file__).resolve().parents[4] / "speculant/data/drafters/eagle-smollm2-135m")
+head_dir = sys.argv[2] if len(sys.argv) > 2 else str(Path(__file__).resolve().parents[1] / "speculant/data/drafters/eagle-smollm2-135m")
 cache = Path(f"bench_answers_{N_PER}_{TOK}.pt")  # the answers, for draft_vocab_coverage.py
 target = load_model("default", device="cpu", dtype="float32")
 model, tok = target.model, target.tokenizer
-rows = [json.loads(l) for l in open(Path(__file__).resolve().parents[4] / "speculant/bench/prompts/default.jsonl")]
+rows = [json.loads(l) for l in open(Path(__file__).resolve().parents[1] / "speculant/bench/prompts/default.jsonl")]
 bycat = defaultdict(list)
 for r in rows: bycat[r["category"]].append(r)
 if cache.exists():
@@ -79,4 +85,5 @@ for b, (a, z) in enumerate(buckets):
     n, t1, t8 = pos_hit[b]
     print(f"answer tokens {a}-{z}: n {n}  top1 {t1/max(n,1):.3f}  top8 {t8/max(n,1):.3f}")
     out["first_step_by_answer_position"][f"{a}-{z}"] = {"rows": n, "top1": round(t1 / max(n, 1), 3), "top8": round(t8 / max(n, 1), 3)}
+out["machine"] = machine_info()
 json.dump(out, open(sys.argv[3] if len(sys.argv) > 3 else "head-on-bench-answers.json", "w"), indent=1)
