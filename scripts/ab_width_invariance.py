@@ -3,7 +3,7 @@ in one process: the previous commit's package imported under another name (``--b
 holding it as ``speculant_base``), each prompt run by both, the order alternating, several rounds.
 
     git worktree add /tmp/base 112adcf && mkdir /tmp/basepkg && cp -r /tmp/base/speculant /tmp/basepkg/speculant_base
-    python benchmarks/scripts/ab_width_invariance.py --before /tmp/basepkg --out ab.json
+    python scripts/ab_width_invariance.py --before /tmp/basepkg --out ab.json
 """
 import argparse
 import importlib

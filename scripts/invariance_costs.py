@@ -2,7 +2,7 @@
 (SDPA, the compiled per-query kernel, the PyTorch-ops modes) by keys and queries, the MLP's down
 projection called with one row or padded to the two its window asks, and the one-time checks.
 
-    python benchmarks/scripts/invariance_costs.py --out costs.json
+    python scripts/invariance_costs.py --out costs.json
 """
 import argparse
 import json

@@ -8,7 +8,7 @@ plugin on blocks of 1-16 tokens after a context, and compares each row with the 
 one at a time (bits, largest difference, argmax); and times the passes beside our quantized
 forward, in one process, best of ``--rounds``. Needs ``openvino-genai`` (not a dependency).
 
-    python benchmarks/scripts/openvino_forward.py --out benchmarks/results/NAME
+    python scripts/openvino_forward.py --out benchmarks/results/NAME
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 prompts with the embedded default model: every drafter, γ auto and 4, each request twice (is it
 repeatable?), batch 1 and a batch of 4. Prints a table and writes JSON (uses the public package only).
 
-    python benchmarks/scripts/width_invariance.py --dtype bfloat16 --out results.json
+    python scripts/width_invariance.py --dtype bfloat16 --out results.json
 """
 import argparse
 import json

@@ -9,7 +9,7 @@ against HF's dense float32 computation). ``$SPECULANT_CPU_ISA=avx2`` measures th
 the kernels on an AVX-512 CPU (pair it with ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` for
 PyTorch's and oneDNN's). Saves JSON and a plot.
 
-    python benchmarks/scripts/quantized_passes.py --out benchmarks/results/NAME [--modes q8,quantized]
+    python scripts/quantized_passes.py --out benchmarks/results/NAME [--modes q8,quantized]
 """
 from __future__ import annotations
 

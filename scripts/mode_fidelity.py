@@ -10,7 +10,7 @@ a token's logits are exactly those plain decoding in that mode computes. Convers
 from the end of the ShareGPT file (after the first 10,000 of its 11,139 that start with a user turn; the
 shipped EAGLE head trained on its first ones). Saves JSON.
 
-    python benchmarks/scripts/mode_fidelity.py --out benchmarks/results/NAME
+    python scripts/mode_fidelity.py --out benchmarks/results/NAME
 """
 from __future__ import annotations
 

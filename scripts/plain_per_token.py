@@ -10,7 +10,7 @@ layout) over this CPU's measured read bandwidth (a large array summed, best of 5
 ``--llama-cpp PATH``: import llama-cpp-python from PATH (a build of its own: e.g. AVX2 only, to
 compare the AVX2 class on an AVX-512 machine with ``SPECULANT_CPU_ISA=avx2``).
 
-    python benchmarks/scripts/plain_per_token.py --out benchmarks/results/NAME
+    python scripts/plain_per_token.py --out benchmarks/results/NAME
 """
 from __future__ import annotations
 
