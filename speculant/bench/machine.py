@@ -93,6 +93,14 @@ def commit() -> dict:
     return {"commit": given, "dirty": None, "source": "$SPECULANT_COMMIT" if given else "unknown (not a git checkout)"}
 
 
+def kernels_isa() -> str | None:
+    """The ISA branch of speculant's CPU kernels as built here (docs/kernels.md), None without them."""
+    from ..models import native
+
+    module = native.build()
+    return module.isa() if module is not None else None
+
+
 def machine_info(device=None) -> dict:
     """The machine and code a run measured. ``device``: where the model ran (default: the CPU)."""
     import transformers  # takes a second to import: only where a model runs (loaded by then)
@@ -104,6 +112,7 @@ def machine_info(device=None) -> dict:
         "gpu": None, "device": str(device or "cpu"), "platform": platform.platform(),
         "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
         "speculant": __version__, "hostname": platform.node(), **commit(),
+        "kernels_isa": kernels_isa(), "forced_isa": os.environ.get("SPECULANT_CPU_ISA"),
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
