@@ -95,9 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
     g.add_argument("--device-map", default=None, metavar="auto", help="spread a target too big for one GPU over "
                    "the GPUs with accelerate (runs on the general path)")
-    g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 | quantized (quantized: a .gguf "
-                   "target's own quantized weights on the CPU, float32 activations; auto: bfloat16 on GPU; on a CPU "
-                   "the exact choice that decodes fastest there, measured once and cached)")
+    g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 | quantized | q8 (quantized: a .gguf "
+                   "target's own quantized weights on the CPU, float32 activations; q8: the same with int8 activations, "
+                   "fastest, not HF's float32 text; auto: bfloat16 on GPU; on a CPU the choice that decodes fastest "
+                   "there, measured once (at most ~45 s) and cached)")
     g.add_argument("--path", default="auto", choices=["auto", "fast", "general"],
                    help="fast = static KV cache + own Llama forward (auto: where the architecture has one); "
                         "general = any HF model")

@@ -90,7 +90,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--warmup", type=int, default=1, help="untimed warm-up calls per method and setting (default 1)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
-    b.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 | quantized | auto (default: float32 on CPU, "
+    b.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 | quantized | q8 | auto (default: float32 on CPU, "
                    "bfloat16 on GPU)")
     b.add_argument("--path", default="auto", choices=["auto", "fast", "general"],
                    help="speculant's forward: auto (fast where the architecture has one), fast (static cache; "
