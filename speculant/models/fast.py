@@ -183,6 +183,104 @@ def quantized_layer(h, cos, sin, attend, idx, k_cache, v_cache, w: dict, n_heads
                        down.weight.bits).view(B, T, H)
 
 
+def _plain_weights(layer) -> dict:
+    """A decoder layer's own weights by name: its norms and matmuls (and their biases, where any)."""
+    a, m = layer.self_attn, layer.mlp
+    w = {"ln1": layer.input_layernorm.weight, "ln2": layer.post_attention_layernorm.weight}
+    for name, proj in zip(MATMULS, (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)):
+        w[name] = proj.weight
+        if proj.bias is not None:  # Qwen2's q/k/v; attention_bias / mlp_bias configs
+            w[f"{name}_bias"] = proj.bias
+    return w
+
+
+class KernelSet(_MatmulSet):
+    """The kernels every pass after the prefill runs, behind one interface: ``layer_fn`` over each
+    layer's weights, the LM head, the final norm, the attention; ``name`` and ``invariance`` are what
+    the stats report of them. Made by one of ``compiled_kernels``, ``dense_kernels`` and
+    ``quantized_kernels``, chosen in one place: ``choose_kernels``."""
+
+    def __init__(self, name: str, layers: list[dict], head, layer_fn, attention, invariance: dict, final_norm=None):
+        super().__init__(layers, head, layer_fn, final_norm)
+        self.name, self.attention, self.invariance = name, attention, invariance
+
+
+def choose_kernels(fast: "FastLlama", plain: list[dict], compile: bool, kernels: str | None,
+                   qweights: dict | None) -> KernelSet:
+    """The one place a model's kernel set is chosen: compiled where asked; a GGUF's quantized blocks on
+    a CPU in float32; else dense matmuls (CUDA's, or per CPU: oneDNN packs or F.linear)."""
+    if compile:
+        return compiled_kernels(fast, plain)
+    if qweights and fast.device.type == "cpu" and fast.dtype == torch.float32:
+        return quantized_kernels(fast, plain, qweights)
+    return dense_kernels(fast, plain, kernels)
+
+
+def compiled_kernels(fast: "FastLlama", plain: list[dict]) -> KernelSet:
+    """``torch.compile``'d layers over the plain weights, attention in PyTorch ops: inductor's own fused
+    kernels, which the checks do not judge (exact: near-ties)."""
+    return KernelSet("cuda" if fast.device.type == "cuda" else "aten (F.linear)", plain, fast.lm_head,
+                     torch.compile(decoder_layer, dynamic=True), invariant.Attention(),
+                     {"linears": "compiled", "attention": "compiled"})
+
+
+def dense_kernels(fast: "FastLlama", plain: list[dict], kernels: str | None) -> KernelSet:
+    """The model's own dense weights: F.linear (CUDA; a CPU without packing), or oneDNN-packed copies
+    where they measure faster on this CPU (``cpu_kernels.plan``); each matmul within the rows window
+    in which this machine keeps it width-invariant."""
+    layers = [{n + "_packed": FLinear(w[n], w.get(n + "_bias")) for n in MATMULS} | w for w in plain]
+    head, kind, name = FLinear(fast.lm_head.weight, fast.lm_head.bias), None, "cuda"
+    if fast.device.type == "cpu":
+        kplan = cpu_kernels.plan(fast.dtype, _matmul_bytes(plain, fast.lm_head), kernels)
+        name = kplan.name
+        # one kernel for steps and blocks alike: where they differed (bf16 without oneDNN bf16),
+        # the blocks' float32 packs serve one-token steps too
+        pack = kplan.block_pack or kplan.step_pack
+        if pack is not None:
+            layers, head = _packed(fast, plain, pack, kplan.hint)
+            kind = (pack, kplan.hint)
+    return _windowed(fast, name, layers, head, kind)
+
+
+def quantized_kernels(fast: "FastLlama", plain: list[dict], qweights: dict) -> KernelSet:
+    """A GGUF's own blocks (``quantized``: float32 or int8 activations): a decoder layer in one
+    compiled call where every matmul of it is quantized and the shapes fit the kernels, else the
+    quantized matmuls within the PyTorch layer; the LM head windowed like any matmul."""
+    layers, head, name = _quantized(fast, plain, qweights)
+    ks = _windowed(fast, name, layers, head, None)
+    k, cfg = quantized.kernels(), fast.hf_model.config
+    if all(len(w.get("quantized", ())) == 4 for w in ks.layers) and k is not None and cfg.hidden_size % 16 == 0 \
+            and fast.head_dim % 2 == 0:
+        ks.layer_fn = quantized_layer
+        ks.final_norm = lambda h: k.norm(h.contiguous(), fast.norm.weight, fast.eps).view(h.shape)
+        ks.invariance = {"layers": "quantized kernels (a row at a time)", "attention": ks.attention.describe(),
+                         "lm_head": ks.invariance["linears"]}
+    return ks
+
+
+def _windowed(fast: "FastLlama", name: str, layers: list[dict], head, kind) -> KernelSet:
+    """A kernel set whose matmuls and norms each run within their rows windows (``invariant``)."""
+    windows = {}
+
+    def rowed(fn):
+        shape = (type(fn).__name__, getattr(fn.weight, "bits", None), getattr(fn, "int8", None), fn.in_features,
+                 fn.out_features, fn.bias is not None)
+        if shape not in windows:
+            windows[shape] = _window(fn, kind, fast.dtype, fast.device.type)
+        return RowLinear(fn, windows[shape])
+
+    hidden = fast.hf_model.config.hidden_size
+    # the norms' window, found as a matmul's (the weight here is just its size)
+    norm_rows = invariant.linear_rows(f"rms_norm eps {fast.eps}", lambda w, b: lambda t: _rms_norm(t, w[0], fast.eps),
+                                      fast.dtype, hidden, hidden, False, fast.device.type)
+    layers = [{n: rowed(f) if n.endswith("_packed") else f for n, f in w.items()} | {"norm_rows": norm_rows}
+              for w in layers]
+    attention = invariant.attention_choice(fast.dtype, fast.n_heads, fast.n_kv, fast.head_dim, fast.device.type)
+    invariance = {"linears": invariant.describe_windows(windows), "attention": attention.describe(),
+                  "norms": norm_rows.describe()}
+    return KernelSet(name, layers, rowed(head), decoder_layer, attention, invariance)
+
+
 class FastLlama:
     """A functional view of a transformers Llama-family CausalLM: shares its weights (on CPU, oneDNN
     packed copies of the matmul weights are added where they measure faster: see cpu_kernels).
@@ -200,16 +298,7 @@ class FastLlama:
         self.eps = cfg.rms_norm_eps
         self.gqa = self.n_kv != self.n_heads  # a plain bool: torch.compile would make a SymBool of the ints
         self.embed = inner.embed_tokens
-        plain = []
-        for layer in inner.layers:
-            a, m = layer.self_attn, layer.mlp
-            w = {"ln1": layer.input_layernorm.weight, "ln2": layer.post_attention_layernorm.weight}
-            for name, proj in zip(MATMULS, (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj,
-                                            m.down_proj)):
-                w[name] = proj.weight
-                if proj.bias is not None:  # Qwen2's q/k/v; attention_bias / mlp_bias configs
-                    w[f"{name}_bias"] = proj.bias
-            plain.append(w)
+        plain = [_plain_weights(layer) for layer in inner.layers]
         self.norm = inner.norm
         self.lm_head = hf_model.get_output_embeddings()
         self.inv_freq = inner.rotary_emb.inv_freq
@@ -218,117 +307,15 @@ class FastLlama:
         p = next(hf_model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.compiled = compile
-        layer_fn = torch.compile(decoder_layer, dynamic=True) if compile else decoder_layer
-        self.kernels = "cuda" if self.device.type == "cuda" else "aten (F.linear)"
-        # every pass but the prefill (one-token steps, verify blocks, trees, batches) runs the same
-        # kernels, each matmul within the rows window in which this machine keeps it width-invariant
-        layers = [{n + "_packed": FLinear(w[n], w.get(n + "_bias")) for n in MATMULS} | w for w in plain]
-        head, kind = FLinear(self.lm_head.weight, self.lm_head.bias), None
-        qweights = quantized.weights_of(hf_model)
-        self.int8 = bool(qweights) and quantized.int8_activations(hf_model)
-        if qweights and self.device.type == "cpu" and self.dtype == torch.float32 and not compile:
-            layers, head = self._quantized(plain, qweights)
-        elif self.device.type == "cpu":
-            kplan = cpu_kernels.plan(self.dtype, _matmul_bytes(plain, self.lm_head), kernels)
-            self.kernels = kplan.name
-            # one kernel for steps and blocks alike: where they differed (bf16 without oneDNN bf16),
-            # the blocks' float32 packs serve one-token steps too
-            pack = kplan.block_pack or kplan.step_pack
-            if pack is not None:
-                layers, head = self._packed(plain, pack, kplan.hint)
-                kind = (pack, kplan.hint)
-        windows = {}
-
-        def rowed(fn):
-            shape = (type(fn).__name__, getattr(fn.weight, "bits", None), fn.in_features, fn.out_features,
-                     fn.bias is not None)
-            if shape not in windows:
-                windows[shape] = _window(fn, kind, self.dtype, self.device.type)
-            return RowLinear(fn, windows[shape])
-
-        if compile:  # the compiled layer over plain weights and attention in PyTorch ops: its own fused
-            # kernels, which the checks do not judge (exact: near-ties)
-            self.pass_set = _MatmulSet(plain, self.lm_head, layer_fn)
-            self.attention = invariant.Attention()
-            self.invariance = {"linears": "compiled", "attention": "compiled"}
-        else:
-            # the norms' window, found as a matmul's (the weight here is just its size)
-            norm_rows = invariant.linear_rows(f"rms_norm eps {self.eps}", lambda w, b: lambda t: _rms_norm(t, w[0], self.eps),
-                                              self.dtype, cfg.hidden_size, cfg.hidden_size, False, self.device.type)
-            layers = [{n: rowed(f) if n.endswith("_packed") else f for n, f in w.items()} | {"norm_rows": norm_rows}
-                      for w in layers]
-            self.pass_set = _MatmulSet(layers, rowed(head), layer_fn)
-            self.attention = invariant.attention_choice(self.dtype, self.n_heads, self.n_kv, self.head_dim,
-                                                        self.device.type)
-            self.invariance = {"linears": invariant.describe_windows(windows), "attention": self.attention.describe(),
-                               "norms": norm_rows.describe()}
-            if qweights and all(len(w.get("quantized", ())) == 4 for w in layers) and quantized.kernels() is not None \
-                    and cfg.hidden_size % 16 == 0 and self.head_dim % 2 == 0:
-                kq = quantized.kernels()
-                self.pass_set.layer_fn = quantized_layer
-                self.pass_set.final_norm = lambda h: kq.norm(h.contiguous(), self.norm.weight, self.eps).view(h.shape)
-                self.invariance = {"layers": "quantized kernels (a row at a time)", "attention": self.attention.describe(),
-                                   "lm_head": self.invariance["linears"]}
+        self.int8 = quantized.int8_activations(hf_model)
+        # every pass but the prefill (one-token steps, verify blocks, trees, batches) runs one kernel set
+        self.pass_set = choose_kernels(self, plain, compile, kernels, quantized.weights_of(hf_model))
+        self.kernels, self.attention, self.invariance = self.pass_set.name, self.pass_set.attention, self.pass_set.invariance
         self._proven = None
         # the prefill runs HF's own F.linear calls and SDPA's causal kernel over each prompt alone, so
         # plain decoding starts from the very cache HF's does, whatever else shares the batch (over
         # quantized weights a short prompt runs the passes' kernels: see ``prefill``)
         self.prefill_set = _MatmulSet(plain, self.lm_head, decoder_layer)
-
-    def _packed(self, plain: list[dict], compute: torch.dtype, hint: int):
-        """oneDNN-packed copies of every matmul weight (layers and the lm_head) computing in ``compute``.
-        q/k/v and gate/up are packed as one matrix each (fewer, wider matmuls stream faster: ~2.5 ms
-        of a 27 ms bf16 step on an AVX-512 CPU) where that keeps each part's bits: always in float32,
-        whose promise is greedy output; in bf16, whose plain decoding is HF's bit for bit, where
-        ``stacking_is_exact`` finds it so on this CPU (else HF's separate matmuls)."""
-        groups, first = [], plain[0]  # every layer has the first one's shapes
-        for group in (("q", "k", "v"), ("gate", "up")):
-            exact = compute == torch.float32 or cpu_kernels.stacking_is_exact(
-                compute, first[group[0]].shape[1], tuple(first[n].shape[0] for n in group),
-                any(n + "_bias" in first for n in group), hint)
-            groups += [group] if exact else [(n,) for n in group]
-        layers = []
-        for w in plain:
-            w = dict(w)
-            for group in groups + [("o",), ("down",)]:
-                w["".join(group) + "_packed"] = PackedLinear.stacked([w[n] for n in group],
-                                                                     [w.get(n + "_bias") for n in group], compute, hint)
-            layers.append(w)
-        head = self.lm_head
-        if head.bias is None:
-            head = PackedLinear(head.weight, None, compute, hint)
-        return layers, head
-
-    def _quantized(self, plain: list[dict], qweights: dict[str, QuantWeight]):
-        """Every matmul of the passes after the prefill over the GGUF's own quantized weights
-        (``quantized``), q/k/v and gate/up each one matmul (each output is its own dot product in
-        that kernel, so stacking changes no bits); a matmul without quantized weights stays F.linear."""
-        layers, dense = [], 0
-        for i, w in enumerate(plain):
-            w = dict(w)
-            for group, module in ((("q", "k", "v"), "self_attn.{}_proj"), (("gate", "up"), "mlp.{}_proj"),
-                                  (("o",), "self_attn.{}_proj"), (("down",), "mlp.{}_proj")):
-                parts = [qweights.get(f"model.layers.{i}." + module.format(n)) for n in group]
-                if all(p is not None for p in parts) and len({p.bits for p in parts}) == 1:
-                    biases = [w.get(n + "_bias") for n in group]
-                    bias = None if all(b is None for b in biases) else torch.cat(
-                        [b if b is not None else w[n].new_zeros(w[n].shape[0]) for n, b in zip(group, biases)])
-                    w["".join(group) + "_packed"] = QuantLinear(QuantWeight.stacked(parts), bias, self.int8)
-                    w.setdefault("quantized", {})["".join(group)] = w["".join(group) + "_packed"]  # unwindowed
-                else:  # F.linear over the dense weights, windowed like the rest
-                    dense += len(group)
-                    for n in group:
-                        w[n + "_packed"] = FLinear(w[n], w.get(n + "_bias"))
-            layers.append(w)
-        if "lm_head" in qweights:
-            head = QuantLinear(qweights["lm_head"], self.lm_head.bias, self.int8)
-        else:
-            dense += 1
-            head = FLinear(self.lm_head.weight, self.lm_head.bias)
-        k = quantized.kernels()
-        mode = "q8 (int8 activations" if self.int8 else "quantized (float32 activations"
-        self.kernels = f"{mode}; {quantized.describe(qweights, dense)}; {k.isa() if k else 'PyTorch ops'})"
-        return layers, head
 
     def new_cache(self, batch: int, size: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         shape = (batch, self.n_kv, size, self.head_dim)
@@ -454,6 +441,63 @@ class FastLlama:
             return logits
         tapped[self.n_layers] = h
         return logits, torch.stack([tapped[i] for i in taps], 2)
+
+
+def _packed(fast: "FastLlama", plain: list[dict], compute: torch.dtype, hint: int):
+    """oneDNN-packed copies of every matmul weight (layers and the lm_head) computing in ``compute``.
+    q/k/v and gate/up are packed as one matrix each (fewer, wider matmuls stream faster: ~2.5 ms
+    of a 27 ms bf16 step on an AVX-512 CPU) where that keeps each part's bits: always in float32,
+    whose promise is greedy output; in bf16, whose plain decoding is HF's bit for bit, where
+    ``stacking_is_exact`` finds it so on this CPU (else HF's separate matmuls)."""
+    groups, first = [], plain[0]  # every layer has the first one's shapes
+    for group in (("q", "k", "v"), ("gate", "up")):
+        exact = compute == torch.float32 or cpu_kernels.stacking_is_exact(
+            compute, first[group[0]].shape[1], tuple(first[n].shape[0] for n in group),
+            any(n + "_bias" in first for n in group), hint)
+        groups += [group] if exact else [(n,) for n in group]
+    layers = []
+    for w in plain:
+        w = dict(w)
+        for group in groups + [("o",), ("down",)]:
+            w["".join(group) + "_packed"] = PackedLinear.stacked([w[n] for n in group],
+                                                                 [w.get(n + "_bias") for n in group], compute, hint)
+        layers.append(w)
+    head = fast.lm_head
+    if head.bias is None:
+        head = PackedLinear(head.weight, None, compute, hint)
+    return layers, head
+
+
+def _quantized(fast: "FastLlama", plain: list[dict], qweights: dict[str, QuantWeight]):
+    """Every matmul of the passes after the prefill over the GGUF's own quantized weights
+    (``quantized``), q/k/v and gate/up each one matmul (each output is its own dot product in
+    that kernel, so stacking changes no bits); a matmul without quantized weights stays F.linear.
+    Returns (layers, head, the kernels' name)."""
+    layers, dense = [], 0
+    for i, w in enumerate(plain):
+        w = dict(w)
+        for group, module in ((("q", "k", "v"), "self_attn.{}_proj"), (("gate", "up"), "mlp.{}_proj"),
+                              (("o",), "self_attn.{}_proj"), (("down",), "mlp.{}_proj")):
+            parts = [qweights.get(f"model.layers.{i}." + module.format(n)) for n in group]
+            if all(p is not None for p in parts) and len({p.bits for p in parts}) == 1:
+                biases = [w.get(n + "_bias") for n in group]
+                bias = None if all(b is None for b in biases) else torch.cat(
+                    [b if b is not None else w[n].new_zeros(w[n].shape[0]) for n, b in zip(group, biases)])
+                w["".join(group) + "_packed"] = QuantLinear(QuantWeight.stacked(parts), bias, fast.int8)
+                w.setdefault("quantized", {})["".join(group)] = w["".join(group) + "_packed"]  # unwindowed
+            else:  # F.linear over the dense weights, windowed like the rest
+                dense += len(group)
+                for n in group:
+                    w[n + "_packed"] = FLinear(w[n], w.get(n + "_bias"))
+        layers.append(w)
+    if "lm_head" in qweights:
+        head = QuantLinear(qweights["lm_head"], fast.lm_head.bias, fast.int8)
+    else:
+        dense += 1
+        head = FLinear(fast.lm_head.weight, fast.lm_head.bias)
+    k = quantized.kernels()
+    mode = "q8 (int8 activations" if fast.int8 else "quantized (float32 activations"
+    return layers, head, f"{mode}; {quantized.describe(qweights, dense)}; {k.isa() if k else 'PyTorch ops'})"
 
 
 def _matmul_bytes(layers: list[dict], head) -> int:
