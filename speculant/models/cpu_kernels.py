@@ -12,8 +12,9 @@ Decoding and verification then skip ``F.linear``'s per-call work and, in float32
   rounded back): PyTorch's GEMV would run a block row by row (cost linear in the width).
 
 ``SPECULANT_CPU_KERNELS`` (or ``kernels=``) overrides the choice: ``onednn`` (pack, or fail with
-one line where the CPU cannot), ``fp32-blocks`` (what bf16 gets without oneDNN bf16: one-token steps
-on ``F.linear``, wider blocks on fp32 packed copies; any CPU with oneDNN), ``aten`` (plain
+one line where the CPU cannot), ``fp32-blocks`` (what bf16 gets without oneDNN bf16: float32 packed
+copies of its weights, which the fast path uses for one-token steps and blocks alike, one kernel for
+every pass; the plan still names a step kernel for callers that split them; any CPU with oneDNN), ``aten`` (plain
 ``F.linear`` everywhere). Tests force each on every machine, so no branch goes untested on any ISA.
 """
 from __future__ import annotations
