@@ -77,18 +77,22 @@ def assert_same_or_bf16_near_tie(model, prompt: list[int], ref: list[int], got: 
     assert top - float(logits[got[k]]) <= steps * bf16_step, mismatch_report(model, prompt, ref, got)
 
 
-def save_tiny_folder(path, vocab: int = 96, seed: int = 0, context: int = 512):
-    """A model folder like a user's: tiny random Llama + a word-level tokenizer (w0 w1 ...)."""
+def tiny_tokenizer(vocab: int = 96):
+    """A word-level tokenizer: w2 w3 ... are ids 2, 3, ...; 0 is <unk>, 1 is </s>."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     words = {"<unk>": 0, "</s>": 1} | {f"w{i}": i for i in range(2, vocab)}
     tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>")
+
+
+def save_tiny_folder(path, vocab: int = 96, seed: int = 0, context: int = 512):
+    """A model folder like a user's: tiny random Llama + a word-level tokenizer (w0 w1 ...)."""
     model = tiny_llama(seed, vocab=vocab, context=context, eos=1)
     model.save_pretrained(path)
-    fast.save_pretrained(path)
+    tiny_tokenizer(vocab).save_pretrained(path)
     return path
 
 
