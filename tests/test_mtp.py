@@ -288,3 +288,33 @@ def test_refusals_are_one_line(tmp_path):
     assert vllm_config("mtp", 2) == {"method": "mtp", "num_speculative_tokens": 2}
     folder = _random_mtp_folder(tmp_path, target.model, name="m2")
     assert vllm_config(f"mtp:{folder}")["model"] == str(folder.resolve())
+
+
+def test_speculant_train_kind_mtp_writes_a_folder_speculators_loads(tmp_path):
+    """For a target without MTP layers: training lowers the loss and raises held-out τ, the folder is
+    speculators' (its MTPDraftModel loads it), drafts losslessly here and exports to vLLM's mtp."""
+    from speculant.export import vllm_config
+    from speculant.tools.train import TrainSettings, run_train
+    from test_dflash import _jsonl
+
+    target_dir = save_tiny_folder(tmp_path / "target", seed=0)
+    common = dict(kind="mtp", target=str(target_dir), data=str(_jsonl(tmp_path / "data.jsonl")), batch=4,
+                  eval_sequences=4, checkpoint_every=1000, work=str(tmp_path / "cache"), self_distill=False)
+    first = run_train(TrainSettings(out=str(tmp_path / "m1"), steps=1, **common), progress_bar=False,
+                      log=lambda *a: None)
+    trained = run_train(TrainSettings(out=str(tmp_path / "m2"), steps=40, lr=3e-3, **common), progress_bar=False,
+                        log=lambda *a: None)
+    curve, folder = trained["loss_curve"], tmp_path / "m2"
+    assert sum(curve[-5:]) / 5 < 0.7 * sum(curve[:5]) / 5, curve
+    assert trained["held_out"]["tau"] >= first["held_out"]["tau"], (first["held_out"], trained["held_out"])
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "mtp" and cfg["transformer_layer_config"]["model_type"] == "qwen3"
+    spec = pytest.importorskip("speculators.models.mtp")
+    spec.MTPDraftModel.from_pretrained(str(folder))  # reads the target's embeddings and head from its folder
+    gen = speculant.load(str(target_dir), drafter=f"mtp:{folder}", dtype="float32", gamma=4)
+    ids = gen.tokenizer(json.loads((tmp_path / "data.jsonl").read_text().splitlines()[0])["text"])["input_ids"][:12]
+    out = gen.generate_ids([ids], max_new_tokens=24)[0]
+    assert out.token_ids == hf_greedy(gen.target.model, ids, 24)[: len(out.token_ids)]
+    assert out.stats["accepted_draft_tokens"] > 0, out.stats
+    assert vllm_config(f"mtp:{folder}", 3) == {"method": "mtp", "num_speculative_tokens": 3,
+                                                "model": str(folder.resolve())}

@@ -232,5 +232,5 @@ def _vllm(folder: str | None, cfg: dict, fixed: int | None) -> dict:
 MTP = TrainedKind(
     name="mtp", model_type="mtp", network=MTPNet, load=load_mtp, training_config=trained.training_config,
     settings_of=trained.settings_of, trainer=trained.trainer, init_from_target=trained.init_from_target, vllm=_vllm,
-    taps_optional=True, bare=own_mtp,
+    taps_optional=True, bare=own_mtp, draft_vocab=False,
     train_help="a multi-token prediction layer drafting a chain (vLLM's and speculators' MTP)")

@@ -61,6 +61,7 @@ class TrainedKind:
     bare: Callable[[Build], Drafter] | None = None
     # why ``speculant train`` cannot train this kind (trained elsewhere, run here); "": it can
     train_refusal: str = ""
+    draft_vocab: bool = True  # its LM head may cover a draft vocabulary (MTP's is the target's, whole)
 
 
 @dataclass(frozen=True)

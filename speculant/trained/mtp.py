@@ -454,14 +454,15 @@ def training_config(target, verifier: str, s, taps: list[int], draft_size: int) 
 
 def init_from_target(net: MTPNet, target, d2t) -> None:
     """The layer starts as the target's last decoder layer (its projections and norms, where the
-    names and shapes agree), reading the hidden state alone (input_proj = [0 | I]), its final norm
-    as the target's."""
+    names and shapes agree) over the sum of the normed token embedding and hidden state
+    (input_proj = [I | I]; the hidden state alone would start as the target's own guess of token
+    i+1, one token short), its final norm as the target's."""
     model = target.model
     layer, last = net.mtp_layers[0], model.get_decoder().layers[-1].state_dict()
     own = layer.state_dict()
     layer.load_state_dict({k: v for k, v in last.items() if k in own and own[k].shape == v.shape}, strict=False)
     H = net.hidden_size
-    layer.input_proj.weight.copy_(torch.cat([torch.zeros(H, H), torch.eye(H)], 1))
+    layer.input_proj.weight.copy_(torch.cat([torch.eye(H), torch.eye(H)], 1))
     final_norm = getattr(model.get_decoder(), "norm", None)
     if final_norm is not None:
         ones = torch.ones(1, H, device=final_norm.weight.device, dtype=final_norm.weight.dtype)
