@@ -37,6 +37,7 @@ from .layerskip import LAYERSKIP
 from .medusa import MEDUSA
 from .model import MODEL
 from .mtp import MTP
+from .peagle import PEAGLE
 from .ngram import NGRAM
 from .none import NONE
 from .spec import Build, DrafterKind, DrafterSpec, TrainedKind
@@ -50,6 +51,7 @@ TRAINED_KINDS: tuple[TrainedKind, ...] = (
     DFLASH,
     MEDUSA,
     MTP,
+    PEAGLE,
 )
 TRAINED = {k.name: k for k in TRAINED_KINDS}
 TRAINED_TYPES = {k.model_type: k for k in TRAINED_KINDS}  # by the speculators_model_type of a folder
