@@ -265,13 +265,20 @@ def _drafter(kind, target, tmp_path):
         return load_medusa(_random_medusa_folder(tmp_path, _fp32(target)), target, "tiny")
     if kind == "mtp":
         return load_mtp(_random_mtp_folder(tmp_path, _fp32(target)), target, "tiny")
+    if kind in SPECULATORS_ONLY:  # built by speculators itself (speculant does not train these)
+        kinds = pytest.importorskip("test_speculators_kinds", reason="speculators is not installed")
+        theirs = kinds.peagle_model(_fp32(target)) if kind == "peagle" else kinds.dflash_variant(kind, _fp32(target))
+        theirs.save_pretrained(tmp_path / kind)
+        return speculant.drafters.make_drafter(f"{kind}:{tmp_path / kind}", speculant.models.LoadedModel(target, None,
+                                                                                                          "tiny"))
     return kind  # ngram, ngram:tree, suffix
 
 
+SPECULATORS_ONLY = ("peagle", "dflash2", "dspark", "xpress")
 KINDS = ["ngram", "ngram:tree", "suffix", "model", "layerskip", "cascade-ngram", "cross-tokenizer", "eagle",
-         "eagle+ngram", "dflash", "medusa", "mtp"]
+         "eagle+ngram", "dflash", "medusa", "mtp", *SPECULATORS_ONLY]
 # random networks whose drafts are (rightly) all rejected: their blocks are verified all the same
-REJECTED = {"dflash", "mtp"}
+REJECTED = {"dflash", "mtp", *SPECULATORS_ONLY}
 
 
 @functools.cache

@@ -31,6 +31,7 @@ from ..trained.format import read_config, shipped_drafters, tapped_layers, targe
 from .base import Drafter
 from .cascade import make_cascade, split_cascade
 from .dflash import DFLASH
+from .dflash_family import DFLASH2, DSPARK, XPRESS
 from .eagle import EAGLE
 from .hybrid import HybridDrafter
 from .layerskip import LAYERSKIP
@@ -52,6 +53,9 @@ TRAINED_KINDS: tuple[TrainedKind, ...] = (
     MEDUSA,
     MTP,
     PEAGLE,
+    DFLASH2,
+    DSPARK,
+    XPRESS,
 )
 TRAINED = {k.name: k for k in TRAINED_KINDS}
 TRAINED_TYPES = {k.model_type: k for k in TRAINED_KINDS}  # by the speculators_model_type of a folder
