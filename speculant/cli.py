@@ -73,7 +73,8 @@ class _Parser(argparse.ArgumentParser):
 
 def _kind_help(default: str) -> str:
     """``speculant train --kind``: each trained kind and what it is, the default marked."""
-    kinds = [f"{k.name} ({k.train_help}{': the default' if k.name == default else ''})" for k in TRAINED_KINDS]
+    kinds = [f"{k.name} ({k.train_help}{': the default' if k.name == default else ''})" for k in TRAINED_KINDS
+             if not k.train_refusal]  # kinds speculant runs but does not train are not offered
     return f"{', '.join(kinds[:-1])} or {kinds[-1]}"
 
 

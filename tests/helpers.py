@@ -96,18 +96,22 @@ def each_pass(gen, prompts: list[list[int]], max_new_tokens: int):
         gen.engine.finish(batch)
 
 
-def save_tiny_folder(path, vocab: int = 96, seed: int = 0, context: int = 512):
-    """A model folder like a user's: tiny random Llama + a word-level tokenizer (w0 w1 ...)."""
+def tiny_tokenizer(vocab: int = 96):
+    """A word-level tokenizer: w2 w3 ... are ids 2, 3, ...; 0 is <unk>, 1 is </s>."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     words = {"<unk>": 0, "</s>": 1} | {f"w{i}": i for i in range(2, vocab)}
     tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>")
+
+
+def save_tiny_folder(path, vocab: int = 96, seed: int = 0, context: int = 512):
+    """A model folder like a user's: tiny random Llama + a word-level tokenizer (w0 w1 ...)."""
     model = tiny_llama(seed, vocab=vocab, context=context, eos=1)
     model.save_pretrained(path)
-    fast.save_pretrained(path)
+    tiny_tokenizer(vocab).save_pretrained(path)
     return path
 
 
@@ -139,3 +143,25 @@ class Served:
 
     def close(self):
         self.served.close()
+
+
+def tiny_deepseek(version: int = 3, seed: int = 0, layers: int = 2, mtp_layers: int = 0):
+    """A tiny random DeepSeek-V2/V3 causal LM: multi-head latent attention (query/key heads 16 wide,
+    value heads 8 wide) and, from layer 1, a mixture of experts. ``mtp_layers``: the config's
+    num_nextn_predict_layers (the weights of those layers live in a checkpoint, see test_mtp.py)."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+                  n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+                  kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8, max_position_embeddings=512,
+                  tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if version == 3:
+        cfg = DeepseekV3Config(q_lora_rank=24, num_nextn_predict_layers=mtp_layers, **common)
+        model = DeepseekV3ForCausalLM(cfg)
+    else:
+        model = DeepseekV2ForCausalLM(DeepseekV2Config(q_lora_rank=None, **common))
+    model.eval()
+    model.generation_config.pad_token_id = 0
+    return model

@@ -17,6 +17,7 @@ from speculant.drafters.dflash import load_dflash
 from speculant.drafters.eagle import load_eagle
 from speculant.drafters.hybrid import HybridDrafter
 from speculant.drafters.medusa import load_medusa
+from speculant.drafters.mtp import load_mtp
 from speculant.models import cpu_attention, cpu_kernels, invariant
 from speculant.models.cpu_kernels import PackedLinear
 from speculant.models.fast import FastLlama, _rms_norm
@@ -27,6 +28,7 @@ from test_dflash import _random_drafter_folder
 from test_drafters_extra import make as make_extra
 from test_eagle import _random_eagle_folder
 from test_medusa import _random_medusa_folder
+from test_mtp import _random_mtp_folder
 
 BF16 = torch.bfloat16
 
@@ -302,11 +304,22 @@ def _drafter(kind, target, tmp_path):
         return load_dflash(_random_drafter_folder(tmp_path, _fp32(target)), target, "tiny")
     if kind == "medusa":
         return load_medusa(_random_medusa_folder(tmp_path, _fp32(target)), target, "tiny")
+    if kind == "mtp":
+        return load_mtp(_random_mtp_folder(tmp_path, _fp32(target)), target, "tiny")
+    if kind in SPECULATORS_ONLY:  # built by speculators itself (speculant does not train these)
+        kinds = pytest.importorskip("test_speculators_kinds", reason="speculators is not installed")
+        theirs = kinds.peagle_model(_fp32(target)) if kind == "peagle" else kinds.dflash_variant(kind, _fp32(target))
+        theirs.save_pretrained(tmp_path / kind)
+        return speculant.drafters.make_drafter(f"{kind}:{tmp_path / kind}", speculant.models.LoadedModel(target, None,
+                                                                                                          "tiny"))
     return kind  # ngram, ngram:tree, suffix
 
 
+SPECULATORS_ONLY = ("peagle", "dflash2", "dspark", "xpress")
 KINDS = ["ngram", "ngram:tree", "suffix", "model", "layerskip", "cascade-ngram", "cross-tokenizer", "eagle",
-         "eagle+ngram", "dflash", "medusa"]
+         "eagle+ngram", "dflash", "medusa", "mtp", *SPECULATORS_ONLY]
+# random networks whose drafts are (rightly) all rejected: their blocks are verified all the same
+REJECTED = {"dflash", "mtp", *SPECULATORS_ONLY}
 
 
 @functools.cache
@@ -331,7 +344,7 @@ def test_bf16_speculative_text_is_plain_decodings_with_every_drafter(tmp_path, p
             accepted += sum(o.stats["accepted_draft_tokens"] for o in outs)
             drafted += sum(o.stats["draft_tokens"] for o in outs)
     assert drafted > 0, "nothing was drafted: no verify block was wider than one token"
-    if kind != "dflash":  # a random DFlash block is (rightly) rejected: its blocks are verified all the same
+    if kind not in REJECTED:
         assert accepted > 0, "no draft was ever accepted"
 
 

@@ -23,7 +23,11 @@ from speculant.models import quantized
 from speculant.models.loading import LoadedModel, load_model
 from speculant.models.quantized import QuantLinear, QuantWeight
 from helpers import hf_greedy, mismatch_report, save_tiny_folder, tiny_llama
-from test_invariance import KINDS as EVERY_DRAFTER, _drafter as invariance_drafter, _prompts as invariance_prompts
+from test_invariance import KINDS, _drafter as invariance_drafter, _prompts as invariance_prompts
+
+# the kinds of issue 40 (MTP and speculators' others) read the target's hidden states as eagle, dflash and
+# medusa do, which this test covers over quantized weights; their exactness is test_invariance's (CI time)
+EVERY_DRAFTER = [k for k in KINDS if k not in ("mtp", "peagle", "dflash2", "dspark", "xpress")]
 
 needs_kernel = pytest.mark.skipif(quantized.kernels() is None, reason="no C++ compiler for the CPU kernels")
 # the kernel's ISA branches, each built on any x86 CPU: AVX-512 where the CPU has it (-march=native),

@@ -112,6 +112,10 @@ class DFlashDrafter(Drafter):
 
     @torch.no_grad()
     def propose(self, gamma: int) -> Proposal:
+        return self._drafts(self._block_hidden(), gamma)
+
+    def _block_hidden(self) -> torch.Tensor:
+        """ONE forward over each row's block [last accepted token, MASK, ...]: its states [B, K, H]."""
         B, K, dev = len(self.pending), self.net.block_size, self.ctx.device
         block = torch.full((B, K), self.net.mask_token_id, dtype=torch.long, device=dev)
         block[:, 0] = self.pending
@@ -122,7 +126,11 @@ class DFlashDrafter(Drafter):
         sees = torch.cat([torch.arange(C, device=dev)[None] < self.lengths[:, None], torch.ones(B, K, dtype=torch.bool,
                                                                                                device=dev)], 1)
         mask = sees[:, None, None, :].expand(B, 1, K, C + K)
-        hidden = self.net.block(self.embed(block), positions, kv, mask)
+        return self.net.block(self.embed(block), positions, kv, mask)
+
+    def _drafts(self, hidden: torch.Tensor, gamma: int) -> Proposal:
+        """Slots 1..γ's drafts, each picked from its processed distribution q."""
+        B, K, dev = hidden.shape[0], self.net.block_size, self.ctx.device
         logits = fit_vocab(self.net.logits(hidden[:, 1:], self.head, self.ctx.vocab_size), self.ctx.vocab_size)
         n = min(gamma, K - 1)
         proc = self.ctx.processing

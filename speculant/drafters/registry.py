@@ -31,11 +31,14 @@ from ..trained.format import read_config, shipped_drafters, tapped_layers, targe
 from .base import Drafter
 from .cascade import make_cascade, split_cascade
 from .dflash import DFLASH
+from .dflash_family import DFLASH2, DSPARK, XPRESS
 from .eagle import EAGLE
 from .hybrid import HybridDrafter
 from .layerskip import LAYERSKIP
 from .medusa import MEDUSA
 from .model import MODEL
+from .mtp import MTP
+from .peagle import PEAGLE
 from .ngram import NGRAM
 from .none import NONE
 from .spec import Build, DrafterKind, DrafterSpec, TrainedKind
@@ -48,6 +51,11 @@ TRAINED_KINDS: tuple[TrainedKind, ...] = (
     EAGLE,
     DFLASH,
     MEDUSA,
+    MTP,
+    PEAGLE,
+    DFLASH2,
+    DSPARK,
+    XPRESS,
 )
 TRAINED = {k.name: k for k in TRAINED_KINDS}
 TRAINED_TYPES = {k.model_type: k for k in TRAINED_KINDS}  # by the speculators_model_type of a folder
@@ -98,6 +106,8 @@ def _check_trained(spec: DrafterSpec) -> None:
 
 def _make_trained(spec: DrafterSpec, b: Build) -> Drafter:
     folder = spec.arg
+    if folder is None and spec.kind in TRAINED and TRAINED[spec.kind].bare is not None:
+        return TRAINED[spec.kind].bare(b)  # mtp: the target's own layers
     if folder is None:
         shipped = shipped_for(b.target.model, spec.kind)
         if shipped is None:
@@ -114,6 +124,8 @@ def _no_vllm(text: str) -> SpeculantError:
 
 def _vllm_trained(spec: DrafterSpec, fixed: int | None) -> dict:
     folder = spec.arg
+    if folder is None and TRAINED[spec.kind].bare is not None:  # the target's own layers: no folder
+        return TRAINED[spec.kind].vllm(None, {}, fixed)
     if folder is None:  # vLLM has no target to match: the first shipped folder of the kind
         if TRAINED[spec.kind].vllm is None:
             raise _no_vllm(spec.text)
@@ -128,11 +140,12 @@ def _vllm_trained(spec: DrafterSpec, fixed: int | None) -> dict:
 
 
 def _trained_entry(kind: TrainedKind) -> DrafterKind:
-    return DrafterKind(kind.name, f"{kind.name}[:DIR]", _make_trained, exact=(kind.name,), prefix=f"{kind.name}:",
+    help = f"{kind.name}[:DIR]" + (f" ({kind.name} alone: the target's own layers)" if kind.bare else "")
+    return DrafterKind(kind.name, help, _make_trained, exact=(kind.name,), prefix=f"{kind.name}:",
                        check=_check_trained, trees=kind.trees, vllm=_vllm_trained, trained=kind)
 
 
-_NAMES = [k.name for k in TRAINED_KINDS]
+_NAMES = [k.name for k in TRAINED_KINDS if k.bare is None]  # mtp alone: the target's own layers
 TRAINED_FOLDER = DrafterKind(
     "trained", f"trained:DIR (a trained folder of any kind; {', '.join(_NAMES[:-1])} or {_NAMES[-1]} alone: the one "
     "shipped for the target)", _make_trained, prefix="trained:", check=_check_trained, trees=True,

@@ -57,6 +57,11 @@ class TrainedKind:
     trees: bool = False  # drafts token trees (prompt lookup merges into them: X+ngram)
     taps_optional: bool = False  # its config may leave the tapped layers to the target's depth
     no_vllm: str = ""  # why vLLM cannot run a folder of it (vllm None)
+    # what the kind's name alone builds (mtp: the target's own MTP layers); None: the one shipped for the target
+    bare: Callable[[Build], Drafter] | None = None
+    # why ``speculant train`` cannot train this kind (trained elsewhere, run here); "": it can
+    train_refusal: str = ""
+    draft_vocab: bool = True  # its LM head may cover a draft vocabulary (MTP's is the target's, whole)
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,19 @@ def kv_bytes(model: torch.nn.Module, batch: int, tokens: int) -> int:
     return 2 * cfg.num_hidden_layers * batch * kv_heads * tokens * head_dim * element
 
 
+RECURRENT = ("linear", "mamba", "conv", "recurrent", "ssm")  # layer kinds whose state is not per-token K/V
+
+
+def recurrent_layers(model: torch.nn.Module) -> list[str]:
+    """The kinds of layer in ``model`` that carry a recurrent state instead of a KV cache (Qwen3-Next's
+    and Qwen3.5's linear attention, Mamba layers): a state summing every token seen, which cannot drop
+    the tokens of a rejected draft."""
+    cfg = getattr(model, "config", None)
+    cfg = getattr(cfg, "get_text_config", lambda: cfg)()
+    kinds = list(getattr(cfg, "layer_types", None) or []) + list(getattr(cfg, "layers_block_type", None) or [])
+    return sorted({k for k in kinds if isinstance(k, str) and any(r in k for r in RECURRENT)})
+
+
 class Backend:
     """Makes KV states for one model.
 
@@ -56,6 +69,12 @@ class Backend:
             raise ValueError(f"path must be one of {PATHS}")
         self.model = model
         device = next(model.parameters()).device
+        recurrent = recurrent_layers(model)
+        if recurrent:
+            mtype = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+            raise SpeculantError(f"model type {mtype!r} has {', '.join(recurrent)} layers, whose recurrent state "
+                                 "cannot roll a rejected draft back: speculant runs models whose layers all attend "
+                                 "over a KV cache")
         ok, why = supports(model)
         if getattr(model, "hf_device_map", None) and len(set(model.hf_device_map.values())) > 1:
             ok, why = False, "the model is spread over several devices (device_map)"  # the fast path is one device's

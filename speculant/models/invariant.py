@@ -488,14 +488,30 @@ def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropo
         visible = m if m.dtype == torch.bool else m == 0
     count = visible.sum(-1)
     prefix = bool((visible == (cols < count[..., None])).all())  # keys at slots 0..count-1: no gather
-    attend = attention_choice(query.dtype, H, key.shape[1], D, query.device.type)
     scale = D ** -0.5 if scaling is None else scaling
+    Dv = value.shape[-1]
+    query, key, value = one_width(query, key, value)
+    attend = attention_choice(query.dtype, H, key.shape[1], query.shape[-1], query.device.type)
     outs = []
     for t in range(0, T, QUERY_CHUNK):
         part = slice(t, t + QUERY_CHUNK)
         layout = key_layout(count[:, part], query.dtype, None if prefix else visible[:, part])
         outs.append(attend(query[:, :, part], key, value, layout, scale))
-    return torch.cat(outs, 2).transpose(1, 2).contiguous(), None
+    return torch.cat(outs, 2)[..., :Dv].transpose(1, 2).contiguous(), None
+
+
+def one_width(query, key, value):
+    """Queries, keys and values padded with zero columns to one head width, for attention whose value
+    heads are narrower or wider than its query/key heads (MLA: DeepSeek-V2/V3, Kimi K2, MiniCPM3).
+    Every mode (and the compiled kernel) takes one width; zero columns change no score (q·k gains
+    only zero terms) and give output columns of zeros, sliced off after, so the real columns are
+    what the same attention gives at its own widths."""
+    D, Dv = query.shape[-1], value.shape[-1]
+    if D < Dv:
+        query, key = F.pad(query, (0, Dv - D)), F.pad(key, (0, Dv - D))
+    elif Dv < D:
+        value = F.pad(value, (0, D - Dv))
+    return query, key, value
 
 
 class _RowLinears(torch.overrides.TorchFunctionMode):
@@ -532,14 +548,23 @@ def hf_forward(model):
     AttentionMaskInterface.register(HF_ATTENTION, sdpa_mask)
     configs = [c for c in {id(c): c for c in _configs(model)}.values()]
     before = [c._attn_implementation for c in configs]
+    # mixture-of-experts layers (DeepSeek, Qwen-MoE, ...): the eager experts, one F.linear per expert
+    # over its tokens (within its rows window) added up in expert order; a grouped matmul sums each
+    # expert's rows by how many tokens it got
+    experts = [c for c in configs if getattr(c, "_experts_implementation", None) not in (None, "eager")]
+    experts_before = [c._experts_implementation for c in experts]
     try:
         for c in configs:
             c._attn_implementation = HF_ATTENTION
+        for c in experts:
+            c._experts_implementation = "eager"
         with _RowLinears():
             yield
     finally:
         for c, b in zip(configs, before):
             c._attn_implementation = b
+        for c, b in zip(experts, experts_before):
+            c._experts_implementation = b
 
 
 def _configs(model):

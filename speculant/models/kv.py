@@ -165,13 +165,17 @@ class KVState:
         longest = int(self.lengths().max())
         order = torch.sort(self.valid.to(torch.int8), dim=1, stable=True).indices[:, -longest:]
         self.valid = self.valid.gather(1, order)
-        for layer in self._layers():
-            idx = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
-            layer.keys = layer.keys.gather(2, idx.to(layer.keys.device))
-            layer.values = layer.values.gather(2, idx.to(layer.values.device))
+        for layer in self._layers():  # keys and values may differ in shape (MLA caches its latents)
+            layer.keys = layer.keys.gather(2, _slot_index(order, layer.keys))
+            layer.values = layer.values.gather(2, _slot_index(order, layer.values))
 
     def valid_kv(self, row: int, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of one row's valid slots [H, n, D] (for tests of the rollback invariant)."""
         lay = self.cache.layers[layer]
         m = self.valid[row]
         return lay.keys[row][:, m], lay.values[row][:, m]
+
+
+def _slot_index(order: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``order`` [B, n] (slots to keep, per row) as a gather index over t's slot axis [B, H, S, D]."""
+    return order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1]).to(t.device)

@@ -81,6 +81,8 @@ def check_settings(s: TrainSettings) -> None:
     """Bad input, before any model work: one line each."""
     if s.kind not in TRAINED:
         raise SpeculantError(f"unknown drafter kind {s.kind!r}: use one of {', '.join(sorted(TRAINED))}")
+    if TRAINED[s.kind].train_refusal:
+        raise SpeculantError(TRAINED[s.kind].train_refusal)
     if not s.out:
         raise SpeculantError("--out DIR is required: the folder the trained drafter is written to")
     out = Path(s.out)
@@ -352,7 +354,7 @@ def run_train(s: TrainSettings, progress_bar: bool = True, log=print) -> dict:
         held = features[: min(s.eval_sequences, max(1, len(features) // 10))]
         train = features[len(held):] or features
         vocab = int(model.get_output_embeddings().weight.shape[0])
-        d2t, t2d = draft_vocabulary(train, s.draft_vocab, vocab)
+        d2t, t2d = draft_vocabulary(train, s.draft_vocab, vocab) if TRAINED[s.kind].draft_vocab else (None, None)
         draft_size = s.draft_vocab if d2t is not None else vocab
         cfg, net, trainer = _network(s, target, taps, draft_size, d2t, t2d)
         params = [p for p in net.parameters() if p.requires_grad]

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import SpeculantError
 from .blocks import Layer, RMSNorm, inv_freq, rope, to_draft, vocab_logits
 from .data import Features
 from .format import SPECULATORS_VERSION, layer_config, speculators_config, target_fingerprint
@@ -36,6 +37,9 @@ class DFlashNet(nn.Module):
     def __init__(self, cfg: dict):
         super().__init__()
         tl = cfg["transformer_layer_config"]
+        if "sliding_attention" in (tl.get("layer_types") or []):
+            raise SpeculantError("this DFlash folder has sliding-window draft layers, which speculant does not build: "
+                                 "use one whose transformer_layer_config has only full_attention layers")
         H = tl["hidden_size"]
         target_hidden = cfg.get("target_hidden_size") or H
         self.taps = tuple(cfg["aux_hidden_state_layer_ids"])

@@ -78,11 +78,12 @@ class EagleNet(nn.Module):
 
     def features(self, aux: torch.Tensor) -> torch.Tensor:
         """The target's tapped hidden states [.., len(taps), Ht] -> the drafter's input states [.., H]."""
-        x = aux.to(self.dtype)
+        x = aux.to(self.dtype).flatten(-2)
+        if self.input_norm is not None:  # speculators' order: the whole concatenation first, then each tap
+            x = self.input_norm(x)
         if self.fc_norm is not None:
-            x = torch.stack([norm(x[..., i, :]) for i, norm in enumerate(self.fc_norm)], -2)
-        x = x.flatten(-2)
-        return self.fc(self.input_norm(x) if self.input_norm is not None else x)
+            x = torch.cat([norm(c) for c, norm in zip(x.chunk(len(self.fc_norm), -1), self.fc_norm)], -1)
+        return self.fc(x)
 
     def step(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, kvs, mask: torch.Tensor):
         """One drafting step for embeds, hidden [B, T, H] at positions [B, T]; ``kvs[l](k, v)`` gives

@@ -110,15 +110,19 @@ def shipped_drafters() -> list[Path]:
     return sorted(p for p in root.glob("*") if (p / "config.json").is_file()) if root.is_dir() else []
 
 
-def load_network(folder, target: torch.nn.Module, target_name: str, build, what: str, dtype=None) -> torch.nn.Module:
+def load_network(folder, target: torch.nn.Module, target_name: str, build, what: str, dtype=None,
+                 ignore: tuple[str, ...] = ()) -> torch.nn.Module:
     """A trained drafter's network from its folder (``build(config)`` makes it), checked against
     the target it runs with, on the target's device and in its dtype (or ``dtype``); beside a
-    quantized CPU target in float32 with its linears on the CPU kernels (``quantized.kernel_linears``)."""
+    quantized CPU target in float32 with its linears on the CPU kernels (``quantized.kernel_linears``);
+    tensors whose names start with one of ``ignore`` are not read (the target's own, saved beside by
+    speculators)."""
     cfg = read_config(folder)
     with _malformed(folder, what):
         check_target(cfg, folder, target, target_name)
         net = build(cfg)
-        missing, unexpected = net.load_state_dict(load_state(folder), strict=False)
+        state = {k: v for k, v in load_state(folder).items() if not k.startswith(ignore)} if ignore else load_state(folder)
+        missing, unexpected = net.load_state_dict(state, strict=False)
     missing = [k for k in missing if k != "inv_freq"]  # a buffer rebuilt from the config
     if missing or unexpected:
         raise SpeculantError(f"drafter '{folder}' does not match {what}: missing {missing[:3]}, "

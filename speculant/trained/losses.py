@@ -31,9 +31,11 @@ class _HeadKL(torch.autograd.Function):
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         w_head, t_head = weight.to(dtype), target_rows.to(dtype)
         total = torch.zeros((), dtype=torch.float32, device=x.device)
+        grad_w = None
         if grads:
             grad_x = torch.empty_like(x)
-            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
+            if weight.requires_grad:  # a frozen head (the target's: MTP) needs no gradient of its own
+                grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
         for s in range(0, x.shape[0], chunk):
             xc, w = x[s : s + chunk].to(dtype), row_weights[s : s + chunk, None].float()
             z = (xc @ w_head.T).float()
@@ -45,15 +47,18 @@ class _HeadKL(torch.autograd.Function):
                 continue
             g = logq.exp_().sub_(p).mul_(w).to(dtype)  # ∂KL/∂z = softmax(z) − p, times the row's weight
             grad_x[s : s + chunk] = g @ w_head
-            grad_w += (g.T @ xc).float()
+            if grad_w is not None:
+                grad_w += (g.T @ xc).float()
         if grads:
-            ctx.save_for_backward(grad_x, grad_w.to(weight.dtype))
+            ctx.save_for_backward(grad_x, grad_w.to(weight.dtype) if grad_w is not None else torch.zeros(()))
+            ctx.weight_grad = grad_w is not None
         return total
 
     @staticmethod
     def backward(ctx, grad):
         grad_x, grad_w = ctx.saved_tensors
-        return grad_x * grad.to(grad_x.dtype), grad_w * grad.to(grad_w.dtype), None, None, None, None, None
+        grad_w = grad_w * grad.to(grad_w.dtype) if ctx.weight_grad else None
+        return grad_x * grad.to(grad_x.dtype), grad_w, None, None, None, None, None
 
 
 def head_kl(x: torch.Tensor, weight: torch.Tensor, final: torch.Tensor, target_rows: torch.Tensor,
