@@ -77,7 +77,7 @@ def assert_same_or_bf16_near_tie(model, prompt: list[int], ref: list[int], got: 
     assert top - float(logits[got[k]]) <= steps * bf16_step, mismatch_report(model, prompt, ref, got)
 
 
-def save_tiny_folder(path, vocab: int = 96, seed: int = 0, context: int = 512):
+def save_tiny_folder(path, vocab: int = 96, seed: int = 0, context: int = 512, hidden: int = 64, layers: int = 2):
     """A model folder like a user's: tiny random Llama + a word-level tokenizer (w0 w1 ...)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -86,7 +86,7 @@ def save_tiny_folder(path, vocab: int = 96, seed: int = 0, context: int = 512):
     tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>")
-    model = tiny_llama(seed, vocab=vocab, context=context, eos=1)
+    model = tiny_llama(seed, vocab=vocab, context=context, eos=1, hidden=hidden, layers=layers)
     model.save_pretrained(path)
     fast.save_pretrained(path)
     return path
