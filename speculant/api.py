@@ -191,16 +191,35 @@ class Generator:
         """A γ setting this generator's drafter can use: "auto", or 1 up to what one proposal holds."""
         return check_gamma(gamma, min(MAX_GAMMA, self.drafter.max_gamma or MAX_GAMMA))
 
-    def memory_needed(self, rows: int, prompt_tokens: int, max_new_tokens: int, gamma: int | str) -> int:
-        """About how many bytes a request's caches (target and drafter) and a pass's logits take."""
+    def memory_needed(self, rows: int, prompt_tokens: int, max_new_tokens: int, gamma: int | str,
+                      extra_per_row: int = 0) -> int:
+        """About how many bytes a request's caches (target and drafter) and a pass's logits take
+        (the most a batch of it holds: every row at the longest prompt plus the most new tokens),
+        with ``extra_per_row`` bytes of buffers per row (the server's streams, a schema's tables)."""
         width = 1 + (gamma if isinstance(gamma, int) else self.engine.most_auto_drafts)
-        tokens = min(prompt_tokens + max_new_tokens, self.target.context_length) + 2 * width
+        tokens = min(prompt_tokens + max_new_tokens, self.target.context_length) + 2 * width + 2
         caches = self.backend.state_bytes(rows, tokens) + self.drafter.state_bytes(rows, tokens)
-        # a pass's logits: float32, about four copies (logits, processed, probabilities, a draft's q)
-        return caches + 4 * rows * width * self.target.vocab_size * 4
+        # a pass's logits: float32, about six copies (logits, processed, probabilities, a draft's q,
+        # the penalties' per-position counts, what logprobs read); the longest prompt's prefill
+        logits = 6 * rows * width * self.target.vocab_size * 4
+        return caches + logits + self.backend.prefill_bytes(prompt_tokens) + rows * extra_per_row
 
-    def check_memory(self, rows: int, prompt_tokens: int, max_new_tokens: int, gamma: int | str) -> None:
-        need = self.memory_needed(rows, prompt_tokens, max_new_tokens, gamma)
+    def idle_bytes(self) -> int:
+        """Bytes of KV caches kept for reuse that no batch holds now (the target's and a draft model's)."""
+        return sum(b.idle_bytes() for b in self._backends())
+
+    def drop_idle(self) -> None:
+        """Give back the KV caches kept for reuse that no batch holds."""
+        for b in self._backends():
+            b.drop_idle()
+
+    def _backends(self) -> list[Backend]:
+        found = [self.backend, getattr(self.drafter, "backend", None)]
+        return [b for b in found if isinstance(b, Backend)]
+
+    def check_memory(self, rows: int, prompt_tokens: int, max_new_tokens: int, gamma: int | str,
+                     extra_per_row: int = 0) -> None:
+        need = self.memory_needed(rows, prompt_tokens, max_new_tokens, gamma, extra_per_row)
         if need > self.memory_budget:
             raise SpeculantError(
                 f"this request needs about {gib(need)} for its caches ({rows} rows of up to "
@@ -315,10 +334,47 @@ def _described(x) -> str:
 
 
 def free_memory(device: torch.device) -> int:
-    """Bytes free for new tensors on ``device`` now (a GPU's free memory; a CPU's available RAM)."""
+    """Bytes free for new tensors on ``device`` now, without swapping: a GPU's free memory; on a
+    CPU the RAM the system calls available (free, and page cache it can drop), or where a
+    container's memory cgroup sets a limit, that limit less the cgroup's usage (its page cache it
+    can drop not counted), whichever is less."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    return psutil.virtual_memory().available
+    available = psutil.virtual_memory().available
+    room = cgroup_room()
+    return available if room is None else min(available, room)
+
+
+def _read_number(path: str, key: str | None = None) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read(1 << 16)
+    except OSError:
+        return None
+    if key is None:
+        text = text.strip()
+        return int(text) if text.isdigit() else None
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name == key and value.strip().isdigit():
+            return int(value)
+    return None
+
+
+def cgroup_room(root: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes this process's memory cgroup can still take before its limit (v2 or v1); None where
+    none sets a limit."""
+    for limit_file, usage_file, stat_key in (("memory.max", "memory.current", "inactive_file"),
+                                             ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes",
+                                              "total_inactive_file")):
+        limit = _read_number(f"{root}/{limit_file}")
+        usage = _read_number(f"{root}/{usage_file}")
+        if limit is None or usage is None or limit >= 1 << 60:  # "max", or v1's "unlimited"
+            continue
+        droppable = _read_number(f"{root}/{limit_file.rpartition('/')[0] + '/' if '/' in limit_file else ''}memory.stat",
+                                 stat_key) or 0
+        return max(0, limit - max(0, usage - droppable))
+    return None
 
 
 def _stop_prefix(text: str, stop: Sequence[str] | None) -> int:

@@ -10,14 +10,16 @@ import os
 import socket
 import sys
 
+from . import files
 from .api import check_gamma, check_logprobs
 from .bench.cli import add_bench_parser
 from .check import read_prompt_file, run_check
-from .constrain import json_schema_processor
+from .constrain import check_schema, json_schema_processor
 from .drafters import DRAFTER_HELP, check_spec, validate_drafter_spec
 from .drafters.registry import TRAINED_KINDS
 from .errors import SpeculantError
 from .export import export_vllm
+from .limits import MAX_SCHEMA_BYTES
 from .sampling import SamplingParams
 from .tools.layerskip_tune import add_tune_layerskip_parser
 from .tools.loader import load
@@ -207,7 +209,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-body-mib", type=float, default=4.0,
                    help="largest request body in MiB (default 4: larger ones get 413 before they are read)")
     v.add_argument("--max-request-memory", type=float, default=None, metavar="GIB",
-                   help="most memory one request's caches may take, in GiB (default: half the memory free at start)")
+                   help="most memory one request's caches, logits and buffers may take, in GiB (default: half the "
+                        "memory free at start)")
+    v.add_argument("--max-memory", type=float, default=None, metavar="GIB",
+                   help="most memory all requests together may hold, in GiB; a request past it waits its turn or "
+                        "gets 429 (default: 80%% of what the machine can give without swapping at start: available "
+                        "RAM, or a container's memory limit less its usage where less)")
     v.add_argument("--device", default=None)
     v.add_argument("--device-map", default=None, metavar="auto", help="spread the target over the GPUs (accelerate)")
     v.add_argument("--dtype", default="auto")
@@ -229,15 +236,18 @@ def _stats_line(stats: dict) -> str:
 
 
 def _read_schema(spec: str):
+    """--json-schema FILE: a regular file of at most MAX_SCHEMA_BYTES (a FIFO or /dev/zero is refused,
+    never read forever); '{}': any JSON object."""
     if spec.strip() == "{}":
         return None
+    text = files.read_text(spec, "JSON schema file", limit=MAX_SCHEMA_BYTES, hint="give a JSON file")
     try:
-        with open(spec) as f:
-            return json.load(f)
-    except OSError as e:
-        raise SpeculantError(f"cannot read the JSON schema file {spec!r} ({e.strerror}): give a readable file") from None
+        return json.loads(text)
     except json.JSONDecodeError as e:
-        raise SpeculantError(f"the JSON schema file {spec!r} is not valid JSON (line {e.lineno}): fix it") from None
+        raise SpeculantError(f"the JSON schema file {files.shown(spec)} is not valid JSON (line {e.lineno}): "
+                             "fix it") from None
+    except RecursionError:
+        raise SpeculantError(f"the JSON schema file {files.shown(spec)} is nested too deeply to read") from None
 
 
 def cmd_generate(args) -> int:
@@ -258,6 +268,7 @@ def cmd_generate(args) -> int:
     if not args.prompt.strip():
         raise SpeculantError("the prompt is empty: give some text to continue")
     schema = _read_schema(args.json_schema) if args.json_schema is not None else None
+    check_schema(schema)  # its bounds, before any model work
     gen = load(args.target, drafter=args.drafter, gamma=args.gamma, device=args.device, dtype=args.dtype,
                device_map=args.device_map,
                path=args.path, compile=args.compile)
@@ -331,7 +342,8 @@ def cmd_serve(args) -> int:
     if not 0 < args.port < 65536:
         raise SpeculantError(f"--port must be in 1..65535, got {args.port}")
     for name in ("max_batch_size", "max_queue", "request_timeout", "max_body_mib") + (
-            ("max_request_memory",) if args.max_request_memory is not None else ()):
+            ("max_request_memory",) if args.max_request_memory is not None else ()) + (
+            ("max_memory",) if args.max_memory is not None else ()):
         if not getattr(args, name) > 0:
             raise SpeculantError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     _check_port_free(args.host, args.port)  # before the model loads, not after it
@@ -345,7 +357,10 @@ def cmd_serve(args) -> int:
     if args.max_request_memory is not None:
         gen.memory_budget = int(args.max_request_memory * 2**30)
     app = create_app(gen, args.model_name or args.target, args.api_key, args.max_batch_size, args.max_queue,
-                     args.request_timeout, max_body_bytes=int(args.max_body_mib * 2**20))
+                     args.request_timeout, max_body_bytes=int(args.max_body_mib * 2**20),
+                     max_memory=int(args.max_memory * 2**30) if args.max_memory is not None else None)
+    if app.state.server.memory_budget < gen.memory_budget:  # one request may take no more than all of them
+        gen.memory_budget = app.state.server.memory_budget
     print(f"speculant: serving '{args.model_name or args.target}' with drafter {gen.drafter.describe()} on "
           f"http://{args.host}:{args.port} (playground at /)", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning",

@@ -59,8 +59,8 @@ class SamplingParams:
             raise SpeculantError(f"top-k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not (0 < self.top_p <= 1):
             raise SpeculantError(f"top-p must be in (0, 1], got {self.top_p}")
-        if not (0 <= self.min_p < 1):
-            raise SpeculantError(f"min-p must be in [0, 1), got {self.min_p}")
+        if not (0 <= self.min_p <= 1):
+            raise SpeculantError(f"min-p must be in [0, 1], got {self.min_p}")
         if not (self.repetition_penalty > 0):
             raise SpeculantError(f"repetition penalty must be > 0 (1 = off), got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -209,24 +209,58 @@ class TokenHistory:
         return Context(seen, counts, texts)
 
 
+# Settings valid by their ranges but past what float32 logits can carry are read at these bounds:
+# the distribution they give is the one the exact setting gives, but where logits differ by less
+# than ~1e-30 (a tie in float32 either way). A temperature below float32's smallest normal number
+# is read as it (sampling there is greedy in the limit: all mass on the largest logits); penalty
+# factors, penalties and biases within 1e30 of their extremes (a logit times 1e30 stays finite).
+MIN_TEMPERATURE = 2.0**-126
+LOGIT_BOUND = 1e30
+
+
+def _bounded(x: float, lo: float = -LOGIT_BOUND, hi: float = LOGIT_BOUND) -> float:
+    return min(max(float(x), lo), hi)
+
+
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, ctx: Context | None) -> torch.Tensor:
     """Repetition penalty (HF / CTRL: divide positive logits, multiply negative ones, for tokens in
     prompt or output), then OpenAI's presence and frequency penalties (output tokens only):
-    logit - presence * [count > 0] - frequency * count."""
+    logit - presence * [count > 0] - frequency * count. Factors and penalties are read within
+    LOGIT_BOUND (a penalty of 1e-300 would make logits infinite, and infinities NaN)."""
     if ctx is None:
         return logits
     if params.repetition_penalty != 1.0 and ctx.seen is not None:
-        penalised = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
+        rp = _bounded(params.repetition_penalty, 1 / LOGIT_BOUND)
+        penalised = torch.where(logits > 0, logits / rp, logits * rp)
         logits = torch.where(ctx.seen, penalised, logits)
     if params.counts_output and ctx.counts is not None:
         counts = ctx.counts.to(logits.dtype)
-        logits = logits - params.presence_penalty * (counts > 0).to(logits.dtype) - params.frequency_penalty * counts
+        logits = (logits - _bounded(params.presence_penalty) * (counts > 0).to(logits.dtype)
+                  - _bounded(params.frequency_penalty) * counts)
     return logits
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature in float32, never inf or NaN where the logits are finite: where the
+    plain quotient overflows (a tiny temperature, logits penalised to 1e30) each row's largest
+    logit is taken off first (softmax is the same for logits shifted by a constant), so the row's
+    top logits give 0 and the others large negative numbers or -inf (probability 0)."""
+    t = max(float(temperature), MIN_TEMPERATURE)
+    logits = logits.float()
+    out = logits / t
+    trouble = ~torch.isfinite(out.amax(-1)) | out.isnan().any(-1)  # per row: a row's result is its own
+    if not bool(trouble.any()):
+        return out
+    logits = torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
+    peak = logits.amax(-1, keepdim=True)
+    shifted = torch.where(logits == peak, torch.zeros_like(logits), logits - peak)
+    stable = torch.where(torch.isfinite(peak), shifted / t, logits)
+    return torch.where(trouble[..., None], stable, out)
 
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p on the last dimension; returns probabilities."""
-    logits = logits.float() / params.temperature
+    logits = _scaled(logits, params.temperature)
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -258,7 +292,7 @@ class _OneSetting:
         if self._bias is None or self._bias.device != logits.device or self._bias.shape[0] != logits.shape[-1]:
             bias = torch.zeros(logits.shape[-1], dtype=torch.float32)
             for tok, b in self.params.logit_bias.items():
-                bias[tok] = float(b)
+                bias[tok] = _bounded(b)
             self._bias = bias.to(logits.device)
         return logits + self._bias.to(logits.dtype)
 

@@ -107,9 +107,9 @@ def tiny_tokenizer(vocab: int = 96):
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>")
 
 
-def save_tiny_folder(path, vocab: int = 96, seed: int = 0, context: int = 512):
+def save_tiny_folder(path, vocab: int = 96, seed: int = 0, context: int = 512, hidden: int = 64, layers: int = 2):
     """A model folder like a user's: tiny random Llama + a word-level tokenizer (w0 w1 ...)."""
-    model = tiny_llama(seed, vocab=vocab, context=context, eos=1)
+    model = tiny_llama(seed, vocab=vocab, context=context, eos=1, hidden=hidden, layers=layers)
     model.save_pretrained(path)
     tiny_tokenizer(vocab).save_pretrained(path)
     return path

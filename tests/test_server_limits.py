@@ -206,7 +206,7 @@ def test_api_key_is_compared_in_constant_time_and_its_scheme_in_any_case(tmp_pat
     (CompletionRequest, {"model": "t", "prompt": "x", "n": 100}, "n must be in 1..16, got 100"),
     (CompletionRequest, {"model": "t", "prompt": "x", "gamma": 10**6}, f"gamma: expected 'auto' or an integer in 1..{MAX_GAMMA}"),
     (CompletionRequest, {"model": "t", "prompt": "x", "repetition_penalty": 0}, "repetition_penalty must be > 0 and <= 100"),
-    (CompletionRequest, {"model": "t", "prompt": "x", "stream_options": "x"}, "stream_options: Input should be a valid"),
+    (CompletionRequest, {"model": "t", "prompt": "x", "stream_options": "x"}, "stream_options must be an object"),
     (CompletionRequest, {"prompt": "x"}, "model is required"),
     (ChatRequest, {"model": "t", "messages": [{"role": "user", "content": 5}]}, "messages.0.content: expected a string"),
 ])

@@ -24,6 +24,7 @@ from types import SimpleNamespace
 
 import torch
 
+from .. import files
 from ..errors import SpeculantError
 from ..models.fast import StaticKVState
 from ..models.kv import cache_keyword
@@ -126,10 +127,12 @@ def tuned_path(target_name: str) -> Path:
 
 
 def load_skip_file(path, n: int) -> list[int]:
+    text = files.read_text(path, "layerskip skip-set file", limit=1 << 20,
+                           hint="give a JSON file written by `speculant tune-layerskip`")
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(text)
         skip = data["skip_layers"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError) as e:
         raise SpeculantError(f"layerskip: cannot read a skip set from '{path}' ({type(e).__name__}): "
                              "give a JSON file written by `speculant tune-layerskip`") from None
     return check_skip_layers(skip, n)
@@ -140,8 +143,7 @@ def validate_layerskip_spec(spec: str) -> None:
     if not arg:
         return
     if arg.endswith(".json"):
-        if not Path(arg).expanduser().is_file():
-            raise SpeculantError(f"layerskip: skip-set file '{arg}' does not exist: run `speculant tune-layerskip`")
+        files.check_regular(Path(arg).expanduser(), "layerskip skip-set file", "run `speculant tune-layerskip`")
         return
     if not re.fullmatch(r"\d+-\d+(:\d+)?|\d+(,\d+)*", arg):
         raise SpeculantError(

@@ -166,6 +166,8 @@ class _PlusNgram(DrafterKind):
 
     def parse(self, text: str) -> DrafterSpec:
         base = text[: -len(HYBRID)]
+        if base.endswith(HYBRID) or not base:  # eagle+ngram+ngram: prompt lookup merged once
+            raise SpeculantError(f"{shown_spec(text)}: +ngram follows one tree drafter, once (eagle+ngram, medusa+ngram)")
         kind = kind_of(base)
         if kind is not None and not kind.trees:
             raise SpeculantError(f"{text!r}: the drafter before +ngram must draft token trees (eagle, medusa, "
@@ -200,11 +202,23 @@ def kind_of(text: str) -> DrafterKind | None:
     return next((k for k in KINDS if k.takes(text)), None)
 
 
+MAX_SPEC_CHARS = 4096  # a drafter spec's longest form: paths included
+
+
+def shown_spec(text) -> str:
+    """A spec for a one-line message: a very long one by its start."""
+    said = repr(text)
+    return said if len(said) <= 200 else f"{said[:160]}...' ({len(text):,} characters)"
+
+
 def parse_spec(text) -> DrafterSpec:
     """A drafter spec string -> its DrafterSpec (the grammar only: nothing is read)."""
+    if isinstance(text, str) and len(text) > MAX_SPEC_CHARS:
+        raise SpeculantError(f"drafter spec {shown_spec(text)} is longer than {MAX_SPEC_CHARS:,} characters: "
+                             "give a shorter one (see --help for the kinds)")
     kind = kind_of(text) if isinstance(text, str) and text else None
     if kind is None:
-        raise SpeculantError(f"unknown drafter {text!r}: use {DRAFTER_HELP}")
+        raise SpeculantError(f"unknown drafter {shown_spec(text)}: use {DRAFTER_HELP}")
     return kind.parse(text)
 
 

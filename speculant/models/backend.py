@@ -124,6 +124,18 @@ class Backend:
         """About the bytes ``new_state(batch, max_tokens)`` takes."""
         return kv_bytes(self.model, batch, -(-max_tokens // 256) * 256 if self.fast is not None else max_tokens)
 
+    def prefill_bytes(self, tokens: int) -> int:
+        """About the bytes a prompt of ``tokens`` tokens takes while it is prefilled (prompts are
+        prefilled one at a time): a layer's activations, measured at ~16 hidden-sized and 4
+        MLP-sized vectors a token (the attention kernel keeps no token-by-token matrix)."""
+        cfg = getattr(self.model, "config", None)
+        cfg = getattr(cfg, "text_config", cfg)
+        hidden = getattr(cfg, "hidden_size", None)
+        if not hidden:
+            return 0
+        inner = getattr(cfg, "intermediate_size", None) or 4 * hidden
+        return tokens * (16 * hidden + 4 * inner) * 4  # float32 activations where the weights are float32 or quantized
+
     def new_state(self, batch: int, max_tokens: int):
         if self.fast is None:
             return KVState(self.model, batch)
@@ -145,5 +157,29 @@ class Backend:
         return state
 
     def release(self, state) -> None:
-        """A batch is done with ``state``: its shared cache may serve the next one."""
+        """A batch is done with ``state``: its shared cache may serve the next one. Without captured
+        graphs to keep valid (a CPU), idle caches are kept only up to IDLE_CACHE_BYTES in all: a
+        large batch's cache goes back to the system when the batch ends."""
         self.in_use.discard(getattr(state, "cache_key", None))
+        if self.step is None:
+            idle = [k for k in self.caches if k not in self.in_use]
+            while idle and sum(_cache_bytes(self.caches[k]) for k in idle) > IDLE_CACHE_BYTES:
+                del self.caches[idle.pop(0)]
+
+    def idle_bytes(self) -> int:
+        """Bytes of the caches kept for reuse that no live batch holds."""
+        return sum(_cache_bytes(c) for k, c in self.caches.items() if k not in self.in_use)
+
+    def drop_idle(self) -> None:
+        """Give back every cache no live batch holds (and its captured graphs)."""
+        for key in [k for k in self.caches if k not in self.in_use]:
+            if hasattr(self.step, "forget"):
+                self.step.forget(*self.caches[key])
+            del self.caches[key]
+
+
+IDLE_CACHE_BYTES = 64 * 2**20  # idle KV caches a CPU backend keeps for the next request of their shape
+
+
+def _cache_bytes(cache: tuple[list, list]) -> int:
+    return sum(t.numel() * t.element_size() for part in cache for t in part)

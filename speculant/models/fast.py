@@ -641,9 +641,16 @@ class StaticKVState:
     joins = True
 
     def join(self, other: "StaticKVState") -> None:
-        """Append ``other``'s rows (a new cache holding both: the larger size, padded)."""
-        self.keys = [cat_rows(a, b) for a, b in zip(self.keys, other.keys)]
-        self.values = [cat_rows(a, b) for a, b in zip(self.values, other.values)]
+        """Append ``other``'s rows (a new cache holding both: the larger size, padded), a layer at a
+        time: each layer's old tensors go as its new one is made, so the join holds one layer more
+        than the larger of the caches before and after, not both whole."""
+        self.keys, self.values = list(self.keys), list(self.values)  # never the backend's own lists
+        theirs = (list(other.keys), list(other.values))
+        other.keys = other.values = []
+        for mine, their in zip((self.keys, self.values), theirs):
+            for i in range(len(mine)):
+                mine[i] = cat_rows(mine[i], their[i])
+                their[i] = None
         self.ptr = torch.cat([self.ptr, other.ptr])
         self.size, self.step = self.keys[0].shape[2], self.fast.forward  # a cache of its own: no captured graphs
         self.cache_key = None

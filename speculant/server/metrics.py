@@ -7,7 +7,8 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
 
 
 class Metrics:
-    def __init__(self, scheduler_depth=lambda: 0, running_rows=lambda: 0):
+    def __init__(self, scheduler_depth=lambda: 0, running_rows=lambda: 0, memory_held=lambda: 0,
+                 memory_budget=lambda: 0):
         r = self.registry = CollectorRegistry()
         self.totals = dict.fromkeys(("prompt", "generated", "drafted", "accepted", "passes", "speculative", "gamma"), 0)
         self.requests = Counter("speculant_requests", "HTTP requests answered, by endpoint and status",
@@ -32,6 +33,12 @@ class Metrics:
         self.queue.set_function(scheduler_depth)
         self.batch = Gauge("speculant_running_rows", "rows in the batch being decoded", registry=r)
         self.batch.set_function(running_rows)
+        self.memory_held = Gauge("speculant_memory_held_bytes", "bytes the running batch is charged (caches, "
+                                 "logits, buffers)", registry=r)
+        self.memory_held.set_function(memory_held)
+        self.memory_budget = Gauge("speculant_memory_budget_bytes", "bytes all requests together may hold "
+                                   "(--max-memory)", registry=r)
+        self.memory_budget.set_function(memory_budget)
         self.batch_sizes = Histogram("speculant_batch_size", "rows decoded together, per target pass", registry=r,
                                      buckets=(1, 2, 4, 8, 16, 32, 64, 128))
         self.latency = Histogram("speculant_request_latency_seconds", "request arrival to last token",

@@ -3,6 +3,7 @@ logprobs, and speculant's own stats beside them (OpenAI clients ignore the extra
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "abort": "abort"}
@@ -11,11 +12,46 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
 
 
 class ApiError(Exception):
-    """A request the server refuses: its status, a one-line message, and the field it names."""
+    """A request the server refuses: its status, a one-line message, the field it names, and for a
+    429 the seconds to wait before retrying (``Retry-After``)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, retry_after: int | None = None):
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.message, self.param, self.retry_after = status, message, param, retry_after
+
+
+@dataclass
+class ToolCalls:
+    """How a chat request's tools are called: ``required`` (one of ``names``: the output is
+    {"name", "arguments"}) or ``named`` (that one function: the output is its arguments), the
+    output held to ``schema``."""
+
+    mode: str
+    names: list[str]
+    schema: dict
+
+    def call(self, text: str) -> dict | None:
+        """The tool call an output makes, as OpenAI gives it; None where it makes none (cut short)."""
+        if self.mode == "named":
+            name, arguments = self.names[0], text.strip()
+        else:
+            try:
+                obj = json.loads(text)
+            except ValueError:
+                return None
+            if not isinstance(obj, dict) or obj.get("name") not in self.names:
+                return None
+            name, arguments = obj["name"], json.dumps(obj.get("arguments", {}))
+        return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                "function": {"name": name, "arguments": arguments}}
+
+    def finish(self, out) -> str | None:
+        """OpenAI's finish reason: "tool_calls" for a call the model chose to make, "stop" for one
+        tool_choice named; "length" where the output was cut short."""
+        finish = FINISH.get(out.finish_reason)
+        if finish != "stop":
+            return finish
+        return "stop" if self.mode == "named" else "tool_calls"
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
@@ -75,14 +111,33 @@ class Reply:
     chat: bool
     tok: object  # the tokenizer: logprobs name their tokens
     logprobs: int | None = None  # None: not asked for
+    tools: ToolCalls | None = None  # a chat request told to call its tools
+
+    def message(self, out) -> tuple[dict, str | None]:
+        """A chat choice's message and finish reason: its text, or the tool call it makes."""
+        call = self.tools.call(out.text) if self.tools is not None else None
+        if call is None:
+            return {"role": "assistant", "content": out.text}, FINISH.get(out.finish_reason)
+        return {"role": "assistant", "content": None, "tool_calls": [call]}, self.tools.finish(out)
 
     def choice(self, index: int, out) -> dict:
         lp = logprobs_body(out.logprobs, self.chat, self.tok) if self.logprobs is not None else None
-        finish = FINISH.get(out.finish_reason)
         if self.chat:
-            return {"index": index, "message": {"role": "assistant", "content": out.text}, "logprobs": lp,
-                    "finish_reason": finish}
-        return {"index": index, "text": out.text, "logprobs": lp, "finish_reason": finish}
+            message, finish = self.message(out)
+            return {"index": index, "message": message, "logprobs": lp, "finish_reason": finish}
+        return {"index": index, "text": out.text, "logprobs": lp, "finish_reason": FINISH.get(out.finish_reason)}
+
+    def tool_chunk(self, index: int, out) -> dict:
+        """A streamed choice of a tool-calling request, whole at its end: the call (or, where the
+        output makes none, its text) in one delta, with the finish reason and stats."""
+        message, finish = self.message(out)
+        delta = message if "tool_calls" not in message else \
+            {**message, "tool_calls": [{"index": 0, **message["tool_calls"][0]}]}
+        lp = logprobs_body(out.logprobs, self.chat, self.tok) if self.logprobs is not None else None
+        choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish,
+                  "speculant": {"tokens": [], "stats": stats([out])}}
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                "choices": [choice]}
 
     def whole(self, outputs, n: int) -> dict:
         """A non-streamed response."""

@@ -83,11 +83,16 @@ async def stream_events(call: Call, reply: Reply, choices: int, n: int, include_
                 ended = True
                 return
             if kind == "tokens":
+                if reply.tools is not None:  # a tool call goes out whole, at its end
+                    continue
                 toks = call.pieces(i, data)
                 yield sse(reply.chunk(i, "".join(t["text"] for t in toks), None, toks))
             else:
                 done += 1
                 outputs[i] = data
+                if reply.tools is not None:
+                    yield sse(reply.tool_chunk(i, data))
+                    continue
                 rest = call.streams[i].finish(data.text)
                 yield sse(reply.chunk(i, rest, FINISH.get(data.finish_reason), [], data))
         if include_usage:

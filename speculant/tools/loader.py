@@ -7,7 +7,7 @@ from ..drafters import Drafter, default_drafter, make_drafter, validate_drafter_
 from ..errors import SpeculantError
 from ..models.backend import PATHS
 from ..models import native
-from ..models.loading import load_model, resolve_device
+from ..models.loading import load_model, resolve_device, resolve_model_path
 from .cpu_choice import choose as choose_cpu_dtype
 
 
@@ -28,6 +28,7 @@ def load(target: str = "default", drafter: str | Drafter | None = None, gamma: i
         raise SpeculantError(f"unknown path {path!r}: use one of {', '.join(PATHS)}")
     if gamma is not None:
         check_gamma(gamma)
+    resolve_model_path(target)  # a FIFO, a device or a name too long: one line now, before any measuring
     if drafter is not None:
         validate_drafter_spec(drafter)  # bad input fails before any model work
     dev = resolve_device(device)

@@ -22,6 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from .. import files
 from ..models import quantized
 from ..errors import SpeculantError
 
@@ -56,11 +57,11 @@ def read_config(folder: str | Path, check: Callable[[dict], None] | None = None)
     it; ``check(config)`` judges its settings before the weights are looked for (the registry's
     ``read_trained``: a kind speculant runs, naming its tapped layers)."""
     path = Path(folder)
-    if not (path / "config.json").is_file():
+    if not files.is_regular(path / "config.json", "drafter folder"):
         raise SpeculantError(f"'{folder}' is not a drafter folder: it has no config.json (train one with "
                              "`speculant train` or give a speculators-format folder)")
     try:
-        cfg = json.loads((path / "config.json").read_text())
+        cfg = json.loads(files.read_text(path / "config.json", "drafter config", limit=16 << 20))
     except ValueError as e:
         raise SpeculantError(f"{path / 'config.json'} is not valid JSON ({e})") from None
     if not isinstance(cfg, dict):
@@ -68,7 +69,7 @@ def read_config(folder: str | Path, check: Callable[[dict], None] | None = None)
                              "settings: give a folder `speculant train` or speculators wrote")
     if check is not None:
         check(cfg)
-    if not (path / "model.safetensors").is_file():
+    if not files.is_regular(path / "model.safetensors", "drafter weights"):
         raise SpeculantError(f"'{folder}' has no model.safetensors")
     return cfg
 
