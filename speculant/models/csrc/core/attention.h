@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "parallel.h"
@@ -19,7 +20,10 @@
 
 namespace spk {
 
-constexpr int64_t QUERIES = 8;  // queries a task takes together (each key is read once for them)
+// queries a task takes together: each key is read (and laid out a key per lane) once for them. More
+// for long blocks (a prompt), where laying keys out would otherwise cost more than scoring them, as
+// long as their scores stay within SCORES_HELD floats. Which queries share a task changes no bits.
+constexpr int64_t QUERIES = 8, QUERIES_LONG = 64, SCORES_HELD = int64_t(1) << 22;
 constexpr int64_t MAX_D = 256;  // head dims up to this, in whole vectors
 
 template <typename T>
@@ -40,25 +44,33 @@ template <typename T>
 void attend(const AttentionShape& sh, Strided4<const T> q, Strided4<const T> k, Strided4<const T> v,
             const int64_t* slots, const int64_t* count, float scale, Strided4<T> out, const ParallelFor& parallel) {
   const int64_t B = sh.B, T_ = sh.T, D = sh.D, Hkv = sh.Hkv, S = sh.S, W = sh.W;
-  const int64_t g = sh.H / Hkv, chunks = (T_ + QUERIES - 1) / QUERIES, C = D / LANES;
+  const int64_t g = sh.H / Hkv;
+  const int64_t Q = T_ >= 4 * QUERIES_LONG
+                        ? std::clamp(SCORES_HELD / (g * (S + LANES)), QUERIES, QUERIES_LONG)
+                        : QUERIES;
+  const int64_t chunks = (T_ + Q - 1) / Q;
   parallel(B * Hkv * chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, kf, vf_, s, kt(D * LANES), own(D * LANES), row(D), total(g);
+    std::vector<float> qf, vf_, s, kt(D * LANES), own(D * LANES), row(D), total(g);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / (Hkv * chunks), h = (item / chunks) % Hkv, t0 = (item % chunks) * QUERIES;
-      const int64_t tn = std::min(QUERIES, T_ - t0), R = tn * g;
+      const int64_t b = item / (Hkv * chunks), h = (item / chunks) % Hkv, t0 = (item % chunks) * Q;
+      const int64_t tn = std::min(Q, T_ - t0), R = tn * g;
       int64_t longest = 0;
       for (int64_t u = 0; u < tn; ++u) longest = std::max(longest, count[b * T_ + t0 + u]);
       const int64_t L = std::min(longest, S), L16 = (longest + LANES - 1) / LANES * LANES;
       const T* kbase = &k.at(b, h, 0, 0);
       const T* vbase = &v.at(b, h, 0, 0);
-      // float copies of the keys and values at slots 0..L-1 (where a query's key x is slot x)
-      kf.assign(L16 * D, 0.f);
-      vf_.assign(std::max<int64_t>(L, 1) * D, 0.f);
-      for (int64_t x = 0; x < L; ++x)
-        for (int64_t d = 0; d < D; ++d) {
-          kf[x * D + d] = to_float(kbase[x * k.s2 + d]);
-          vf_[x * D + d] = to_float(vbase[x * v.s2 + d]);
-        }
+      // values at slots 0..L-1 (where a query's key x is slot x) as floats: a 16-bit cache's
+      // converted once for the task's queries, a float32 cache's read in place
+      const float* values_f = nullptr;
+      int64_t values_stride = D;
+      if constexpr (std::is_same_v<T, float>) {
+        values_f = vbase, values_stride = v.s2;
+      } else {
+        vf_.resize(std::max<int64_t>(L, 1) * D);
+        for (int64_t x = 0; x < L; ++x)
+          for (int64_t d = 0; d < D; ++d) vf_[x * D + d] = to_float(vbase[x * v.s2 + d]);
+        values_f = vf_.data();
+      }
       qf.assign((R + 3) * D, 0.f);  // rows R.. stay zero: the padding of the last group of four
       for (int64_t u = 0; u < tn; ++u)
         for (int64_t j = 0; j < g; ++j)
@@ -77,21 +89,28 @@ void attend(const AttentionShape& sh, Strided4<const T> q, Strided4<const T> k, 
             qr[k4] = qf.data() + (real ? rows[i + k4] : R) * D;  // row R..R+2: zeros
             to[k4] = real ? rows[i + k4] : R;
           }
-          vf a0 = {}, a1 = {}, a2 = {}, a3 = {};
+          vn a[4][PARTS] = {};  // the 16 keys' sums as PARTS native vectors: kept in registers
           for (int64_t d = 0; d < D; ++d) {
-            const vf kd = vload(keys + d * LANES);
-            a0 += qr[0][d] * kd;
-            a1 += qr[1][d] * kd;
-            a2 += qr[2][d] * kd;
-            a3 += qr[3][d] * kd;
+#pragma GCC unroll 4
+            for (int p = 0; p < PARTS; ++p) {
+              const vn kd = vload<vn>(keys + d * LANES + p * NATIVE);
+#pragma GCC unroll 4
+              for (int r = 0; r < 4; ++r) a[r][p] += qr[r][d] * kd;
+            }
           }
-          vf res[4] = {a0 * scale, a1 * scale, a2 * scale, a3 * scale};
-          for (int64_t k4 = 0; k4 < 4; ++k4) std::memcpy(s.data() + to[k4] * L16 + x0, &res[k4], sizeof(vf));
+          for (int r = 0; r < 4; ++r)
+            for (int p = 0; p < PARTS; ++p) vstore(s.data() + to[r] * L16 + x0 + p * NATIVE, a[r][p] * scale);
         }
       };
       for (int64_t x0 = 0; x0 < L16; x0 += LANES) {
-        for (int64_t l = 0; l < LANES; ++l)
-          for (int64_t d = 0; d < D; ++d) kt[d * LANES + l] = kf[(x0 + l) * D + d];
+        for (int64_t l = 0; l < LANES; ++l) {  // the block's keys, a key per lane (zeros past L)
+          if (x0 + l < L) {
+            const T* src = kbase + (x0 + l) * k.s2;
+            for (int64_t d = 0; d < D; ++d) kt[d * LANES + l] = to_float(src[d]);
+          } else {
+            for (int64_t d = 0; d < D; ++d) kt[d * LANES + l] = 0.f;
+          }
+        }
         rows_shared.clear();
         for (int64_t u = 0; u < tn; ++u) {
           const int64_t n = count[b * T_ + t0 + u];
@@ -125,42 +144,51 @@ void attend(const AttentionShape& sh, Strided4<const T> q, Strided4<const T> k, 
           float* sr = s.data() + (u * g + j) * L16;
           float m = sr[0];
           for (int64_t x = 1; x < n; ++x) m = std::max(m, sr[x]);
-          for (int64_t x = 0; x < n; x += LANES) {  // the row has L16 >= n columns: whole vectors
-            vf e = exp_vector(vload(sr + x) - m);
-            std::memcpy(sr + x, &e, sizeof e);
-          }
+          for (int64_t x = 0; x < n; x += NATIVE)  // the row has L16 >= n columns: whole vectors
+            vstore(sr + x, exp_vector(vload<vn>(sr + x) - m));
           float l = 0.f;
           for (int64_t x = 0; x < n; ++x) l += sr[x];
           total[j] = l;
         }
         // probability-weighted values, key after key, two heads at a time (a zero weight pads the
-        // last pair), the outputs in registers
-        for (int64_t j = 0; j < g; j += 2) {
-          const float* w0 = s.data() + (u * g + j) * L16;
-          const float* w1 = j + 1 < g ? w0 + L16 : nullptr;
-          vf acc0[MAX_D / LANES] = {}, acc1[MAX_D / LANES] = {};
-          for (int64_t x = 0; x < n; ++x) {
-            const int64_t slot = slot_of(u, x);
-            const float* val = vf_.data() + x * D;
-            if (slot != x || x >= L) {
-              const T* src = vbase + slot * v.s2;
-              for (int64_t d = 0; d < D; ++d) row[d] = to_float(src[d]);
-              val = row.data();
+        // last pair), the outputs in registers where the head dim is 64 or 128
+        auto weigh = [&](auto width) {
+          constexpr int64_t NC = decltype(width)::value / NATIVE;  // native vectors of a head's values
+          const int64_t nc = NC ? NC : D / NATIVE;
+          for (int64_t j = 0; j < g; j += 2) {
+            const float* w0 = s.data() + (u * g + j) * L16;
+            const float* w1 = j + 1 < g ? w0 + L16 : nullptr;
+            vn acc0[NC ? NC : MAX_D / NATIVE] = {}, acc1[NC ? NC : MAX_D / NATIVE] = {};
+            for (int64_t x = 0; x < n; ++x) {
+              const int64_t slot = slot_of(u, x);
+              const float* val = values_f + x * values_stride;
+              if (slot != x || x >= L) {
+                const T* src = vbase + slot * v.s2;
+                for (int64_t d = 0; d < D; ++d) row[d] = to_float(src[d]);
+                val = row.data();
+              }
+              const float p0 = w0[x], p1 = w1 ? w1[x] : 0.f;
+#pragma GCC unroll 32
+              for (int64_t c = 0; c < (NC ? NC : nc); ++c) {
+                const vn vc = vload<vn>(val + c * NATIVE);
+                acc0[c] += p0 * vc;
+                acc1[c] += p1 * vc;
+              }
             }
-            const float p0 = w0[x], p1 = w1 ? w1[x] : 0.f;
-            for (int64_t c = 0; c < C; ++c) {
-              const vf vc = vload(val + c * LANES);
-              acc0[c] += p0 * vc;
-              acc1[c] += p1 * vc;
+            for (int64_t i = 0; i < 2 && j + i < g; ++i) {
+              const vn* acc = i ? acc1 : acc0;
+              for (int64_t c = 0; c < nc; ++c)
+                for (int64_t lane = 0; lane < NATIVE; ++lane)
+                  out.at(b, h * g + j + i, t0 + u, c * NATIVE + lane) = from_float<T>(acc[c][lane] / total[j + i]);
             }
           }
-          for (int64_t i = 0; i < 2 && j + i < g; ++i) {
-            const vf* acc = i ? acc1 : acc0;
-            for (int64_t c = 0; c < C; ++c)
-              for (int64_t lane = 0; lane < LANES; ++lane)
-                out.at(b, h * g + j + i, t0 + u, c * LANES + lane) = from_float<T>(acc[c][lane] / total[j + i]);
-          }
-        }
+        };
+        if (D == 64)
+          weigh(std::integral_constant<int64_t, 64>{});
+        else if (D == 128)
+          weigh(std::integral_constant<int64_t, 128>{});
+        else
+          weigh(std::integral_constant<int64_t, 0>{});
       }
     }
   });

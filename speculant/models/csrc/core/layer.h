@@ -30,10 +30,11 @@ inline void rms_norm(const float* x, int64_t M, int64_t H, const float* w, float
 }
 
 // silu(g) = g / (1 + exp(-g)), from e = exp(-|g|) <= 1 (the vector exp takes arguments <= 0)
-inline vf silu(vf g) {
-  const vf zero = g - g;
-  const vf e = exp_vector(g < zero ? g : zero - g);
-  const vf one = zero + 1.0f;
+template <typename V>
+inline V silu(V g) {
+  const V zero = g - g;
+  const V e = exp_vector(g < zero ? g : zero - g);
+  const V one = zero + 1.0f;
   return g * (g < zero ? e : one) / (one + e);
 }
 
@@ -81,8 +82,9 @@ inline void layer_end(const float* h, const float* attn, int64_t M, int64_t H, c
   rms_norm(out, M, H, ln, eps, x.data());
   apply(gate_up, x.data(), M, gu.data(), parallel);
   for (int64_t r = 0; r < M; ++r)
-    for (int64_t i = 0; i < I; i += LANES)
-      vstore(act.data() + r * I + i, silu(vload(gu.data() + r * 2 * I + i)) * vload(gu.data() + r * 2 * I + I + i));
+    for (int64_t i = 0; i < I; i += NATIVE)
+      vstore(act.data() + r * I + i,
+             silu(vload<vn>(gu.data() + r * 2 * I + i)) * vload<vn>(gu.data() + r * 2 * I + I + i));
   apply(down, act.data(), M, d.data(), parallel);
   for (int64_t i = 0; i < M * H; ++i) out[i] += d[i];
 }

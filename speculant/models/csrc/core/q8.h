@@ -42,21 +42,26 @@ struct Q8Rows {
 inline void quantize_rows(const float* x, int64_t M, int64_t K, Q8Rows& out) {
   const int64_t blocks = K / BLOCK;
   out.q.resize(M * K), out.d.resize(M * blocks), out.dsum.resize(M * blocks), out.sum.resize(M * blocks);
-  const vf round = vf{} + 12582912.0f;  // 1.5 * 2^23: (v + round) - round is v rounded to nearest, ties to even
+  typedef int32_t vni __attribute__((vector_size(sizeof(vn))));
+  const vn round = vn{} + 12582912.0f;  // 1.5 * 2^23: (v + round) - round is v rounded to nearest, ties to even
+  constexpr int P = BLOCK / NATIVE;     // native vectors a block (the machine's width: see vector.h)
   for (int64_t i = 0; i < M * blocks; ++i) {
-    const vf lo = vload(x + i * BLOCK), hi = vload(x + i * BLOCK + LANES);
-    vf a = lo < 0.0f ? -lo : lo, b = hi < 0.0f ? -hi : hi;
-    a = a > b ? a : b;
+    const float* xb = x + i * BLOCK;
+    vn a = {};
+    for (int p = 0; p < P; ++p) {
+      const vn v = vload<vn>(xb + p * NATIVE), m = v < 0.0f ? -v : v;
+      a = a > m ? a : m;
+    }
     float amax = 0.0f;
-    for (int l = 0; l < LANES; ++l) amax = std::max(amax, a[l]);  // a max: exact in any order
+    for (int l = 0; l < NATIVE; ++l) amax = std::max(amax, a[l]);  // a max: exact in any order
     const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-    const vi ql = __builtin_convertvector((lo * id + round) - round, vi);
-    const vi qh = __builtin_convertvector((hi * id + round) - round, vi);
     int32_t s = 0;
-    for (int l = 0; l < LANES; ++l) {
-      out.q[i * BLOCK + l] = static_cast<int8_t>(ql[l]);
-      out.q[i * BLOCK + LANES + l] = static_cast<int8_t>(qh[l]);
-      s += ql[l] + qh[l];
+    for (int p = 0; p < P; ++p) {
+      const vni q = __builtin_convertvector((vload<vn>(xb + p * NATIVE) * id + round) - round, vni);
+      for (int l = 0; l < NATIVE; ++l) {
+        out.q[i * BLOCK + p * NATIVE + l] = static_cast<int8_t>(q[l]);
+        s += q[l];
+      }
     }
     out.d[i] = d, out.sum[i] = s, out.dsum[i] = d * static_cast<float>(s);
   }

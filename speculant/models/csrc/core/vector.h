@@ -12,33 +12,51 @@ constexpr int LANES = 16;
 typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
 
-inline vf vload(const float* p) {
-  vf v;
+// The machine's own register width, for hot loops: compilers keep 16-float vectors in registers
+// only where one register holds them (AVX-512); on AVX2 and NEON they go through the stack, so
+// those loops run on `vn` (8 or 4 floats), LANES / NATIVE of them side by side: the same
+// elementwise operations, the same bits.
+#if defined(__AVX512F__)
+constexpr int NATIVE = 16;
+#elif defined(__AVX__)
+constexpr int NATIVE = 8;
+#else
+constexpr int NATIVE = 4;
+#endif
+constexpr int PARTS = LANES / NATIVE;
+typedef float vn __attribute__((vector_size(NATIVE * sizeof(float))));
+
+template <typename V = vf>
+inline V vload(const float* p) {
+  V v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+template <typename V>
+inline void vstore(float* p, V v) { std::memcpy(p, &v, sizeof v); }
 
-// exp(x) for x <= 0, LANES at a time (Cephes' expf: 2^n times a polynomial): each lane's value is a
-// function of its x alone
-inline vf exp_vector(vf x) {
-  const vf zero = x - x, lo = zero - 87.0f;
+// exp(x) for x <= 0, a vector (vf or vn) at a time (Cephes' expf: 2^n times a polynomial): each
+// lane's value is a function of its x alone
+template <typename V>
+inline V exp_vector(V x) {
+  typedef int32_t VI __attribute__((vector_size(sizeof(V))));
+  const V zero = x - x, lo = zero - 87.0f;
   x = x < lo ? lo : x;
   x = x > zero ? zero : x;  // lanes past a query's keys hold other scores: kept finite
-  const vf t = x * 1.44269504088896341f + 0.5f;
-  vf n = __builtin_convertvector(__builtin_convertvector(t, vi), vf);  // toward zero, then down: floor(t)
-  n -= __builtin_convertvector(n > t, vf) * -1.0f;
-  vf r = x - n * 0.693359375f;
+  const V t = x * 1.44269504088896341f + 0.5f;
+  V n = __builtin_convertvector(__builtin_convertvector(t, VI), V);  // toward zero, then down: floor(t)
+  n -= __builtin_convertvector(n > t, V) * -1.0f;
+  V r = x - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
-  vf y = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  V y = r * 1.9875691500e-4f + 1.3981999507e-3f;
   y = y * r + 8.3334519073e-3f;
   y = y * r + 4.1665795894e-2f;
   y = y * r + 1.6666665459e-1f;
   y = y * r + 5.0000001201e-1f;
   y = y * (r * r) + r + 1.0f;
-  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-  vf p;
+  const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;
+  V p;
   std::memcpy(&p, &bits, sizeof p);
   return y * p;
 }
