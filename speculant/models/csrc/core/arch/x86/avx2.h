@@ -89,14 +89,20 @@ inline void dot_rows(const uint8_t* codes, const int8_t* const* x, const int32_t
   __m256i acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
   if constexpr (BITS == 4) {
+    // the block's pair sums stay in int16 (8 of at most 2 * 15 * 127: 30480 < 32768), widened once
     const __m256i mask = _mm256_set1_epi8(15);
+    __m256i pairs[R][2];
+    for (int r = 0; r < R; ++r) pairs[r][0] = pairs[r][1] = _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c)
       for (int h = 0; h < 2; ++h) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * c + 32 * h));
         const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
         for (int r = 0; r < R; ++r)
-          acc[r][h] = dot_u8s8(dot_u8s8(acc[r][h], lo, x4(x[r] + 8 * c)), hi, x4(x[r] + 8 * c + 4));
+          pairs[r][h] = _mm256_add_epi16(pairs[r][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo, x4(x[r] + 8 * c)),
+                                                                       _mm256_maddubs_epi16(hi, x4(x[r] + 8 * c + 4))));
       }
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) acc[r][h] = _mm256_madd_epi16(pairs[r][h], _mm256_set1_epi16(1));
   } else {
     for (int c = 0; c < 8; ++c)
       for (int h = 0; h < 2; ++h) {
