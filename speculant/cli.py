@@ -85,7 +85,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = _Parser(prog="speculant", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate_parser(sub, drafter_help)
+    _add_check_parser(sub, drafter_help)
+    _add_train_parser(sub)
+    _add_export_parser(sub)
+    _add_serve_parser(sub, drafter_help)
+    add_tune_layerskip_parser(sub)
+    add_bench_parser(sub)
+    return parser
 
+
+def _add_generate_parser(sub, drafter_help: str) -> None:
+    """speculant generate PROMPT."""
     g = sub.add_parser("generate", help="generate text for one prompt", description="Generate text for PROMPT.")
     g.add_argument("prompt")
     g.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct), a model folder, or a .gguf file")
@@ -119,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="with --json: each token's logprob under the target and the top N alternatives")
 
+def _add_check_parser(sub, drafter_help: str) -> None:
+    """speculant check: greedy identity and the sampled distribution."""
     c = sub.add_parser("check", help="prove a target + drafter exact: greedy identity and the sampled distribution",
                        description="Checks that speculative decoding with DRAFTER leaves TARGET's output unchanged: "
                                    "greedy text against Hugging Face generate (near-tie divergences listed with their "
@@ -141,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-chat-template", action="store_true")
     c.set_defaults(func=cmd_check)
 
+def _add_train_parser(sub) -> None:
+    """speculant train."""
     d = TrainSettings()  # the defaults live in one place
     t = sub.add_parser("train", help="train a drafter on the target's own hidden states (speculators format)",
                        description="Train a drafter for TARGET: its features (hidden states, next-token choices) "
@@ -182,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-progress", action="store_true", help="no progress bar: one line per checkpoint")
     t.set_defaults(func=cmd_train)
 
+def _add_export_parser(sub) -> None:
+    """speculant export: the vLLM speculative config."""
     e = sub.add_parser("export", help="print (and write) the vLLM --speculative-config for a target and drafter",
                        description="For serving at scale: the vLLM speculative config matching a speculant drafter "
                                    "(ngram, suffix, eagle:DIR, dflash:DIR, model:FOLDER), and the vllm serve command.")
@@ -192,6 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", default="speculative-config.json", help="where to write the JSON")
     e.set_defaults(func=cmd_export)
 
+def _add_serve_parser(sub, drafter_help: str) -> None:
+    """speculant serve: the OpenAI-compatible server."""
     v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, streaming, metrics)",
                        description="Serve TARGET with DRAFTER over HTTP: /v1/completions, /v1/chat/completions "
                                    "(streaming or not), /v1/models, /health, /metrics and a playground page at /. "
@@ -222,11 +241,6 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--compile", action="store_true")
     v.set_defaults(func=cmd_serve)
 
-    add_tune_layerskip_parser(sub)
-    add_bench_parser(sub)
-    return parser
-
-
 def _stats_line(stats: dict) -> str:
     return (
         f"[{stats['drafter']} γ={stats['gamma']} (mean {stats['mean_gamma']:.1f})] α={stats['acceptance_rate']:.2f} "
@@ -251,8 +265,24 @@ def _read_schema(spec: str):
 
 
 def cmd_generate(args) -> int:
+    sampling, schema = _check_generate_args(args)
+    gen = load(args.target, drafter=args.drafter, gamma=args.gamma, device=args.device, dtype=args.dtype,
+               device_map=args.device_map,
+               path=args.path, compile=args.compile)
+    if args.json_schema is not None:
+        sampling["logits_processors"] = [json_schema_processor(gen.tokenizer, schema, gen.target.eos_token_ids)]
+    chat = not args.no_chat_template
+    kwargs = dict(max_new_tokens=args.max_new_tokens, seed=args.seed, stop=args.stop, chat_template=chat, **sampling)
+    prompt_ids = gen.encode(args.prompt, chat)
+    if args.json:
+        return _generate_json(gen, args.prompt, prompt_ids, kwargs)
+    return _generate_streamed(gen, args, kwargs)
+
+
+def _check_generate_args(args) -> tuple[dict, object]:
+    """(sampling settings, JSON schema or None): every bad value fails here, before any model work."""
     sampling = sampling_from_args(args)
-    SamplingParams(**sampling)  # bad values fail before any model work
+    SamplingParams(**sampling)
     if args.gamma is not None:
         check_gamma(args.gamma)
     if args.logprobs is not None:
@@ -268,36 +298,33 @@ def cmd_generate(args) -> int:
     if not args.prompt.strip():
         raise SpeculantError("the prompt is empty: give some text to continue")
     schema = _read_schema(args.json_schema) if args.json_schema is not None else None
-    check_schema(schema)  # its bounds, before any model work
-    gen = load(args.target, drafter=args.drafter, gamma=args.gamma, device=args.device, dtype=args.dtype,
-               device_map=args.device_map,
-               path=args.path, compile=args.compile)
-    if args.json_schema is not None:
-        sampling["logits_processors"] = [json_schema_processor(gen.tokenizer, schema, gen.target.eos_token_ids)]
-    chat = not args.no_chat_template
-    kwargs = dict(max_new_tokens=args.max_new_tokens, seed=args.seed, stop=args.stop, chat_template=chat, **sampling)
-    prompt_ids = gen.encode(args.prompt, chat)
+    check_schema(schema)  # its bounds
+    return sampling, schema
 
-    if args.json:
-        stream = gen.stream(args.prompt, **kwargs)
-        parts = []
-        try:
-            for piece in stream:
-                parts.append(piece)
-        except KeyboardInterrupt:
-            print(json.dumps({"text": "".join(parts), "prompt_token_ids": prompt_ids, "interrupted": True}))
-            return 130
-        out = gen.last
-        print(json.dumps({
-            "text": out.text,
-            "prompt_token_ids": out.prompt_token_ids,
-            "token_ids": out.token_ids,
-            "finish_reason": out.finish_reason,
-            "stats": out.stats,
-            **({"logprobs": out.logprobs} if out.logprobs is not None else {}),
-        }))
-        return 0
 
+def _generate_json(gen, prompt: str, prompt_ids: list[int], kwargs: dict) -> int:
+    """--json: one object at the end (what was generated so far if interrupted)."""
+    parts = []
+    try:
+        for piece in gen.stream(prompt, **kwargs):
+            parts.append(piece)
+    except KeyboardInterrupt:
+        print(json.dumps({"text": "".join(parts), "prompt_token_ids": prompt_ids, "interrupted": True}))
+        return 130
+    out = gen.last
+    print(json.dumps({
+        "text": out.text,
+        "prompt_token_ids": out.prompt_token_ids,
+        "token_ids": out.token_ids,
+        "finish_reason": out.finish_reason,
+        "stats": out.stats,
+        **({"logprobs": out.logprobs} if out.logprobs is not None else {}),
+    }))
+    return 0
+
+
+def _generate_streamed(gen, args, kwargs: dict) -> int:
+    """The text as it comes (coloured by origin with --show-acceptance), then the stats line on stderr."""
     try:
         if args.show_acceptance:
             _print_with_origins(gen.stream(args.prompt, origins=True, **kwargs))
