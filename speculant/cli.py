@@ -16,7 +16,7 @@ from .bench.cli import add_bench_parser
 from .check import read_prompt_file, run_check
 from .constrain import check_schema, json_schema_processor
 from .drafters import DRAFTER_HELP, check_spec, validate_drafter_spec
-from .drafters.registry import TRAINED_KINDS
+from .drafters.registry import TRAIN_OPTIONS, TRAINED_KINDS
 from .errors import SpeculantError
 from .export import export_vllm
 from .limits import MAX_SCHEMA_BYTES
@@ -130,6 +130,7 @@ def _add_generate_parser(sub, drafter_help: str) -> None:
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="with --json: each token's logprob under the target and the top N alternatives")
 
+
 def _add_check_parser(sub, drafter_help: str) -> None:
     """speculant check: greedy identity and the sampled distribution."""
     c = sub.add_parser("check", help="prove a target + drafter exact: greedy identity and the sampled distribution",
@@ -154,6 +155,7 @@ def _add_check_parser(sub, drafter_help: str) -> None:
     c.add_argument("--no-chat-template", action="store_true")
     c.set_defaults(func=cmd_check)
 
+
 def _add_train_parser(sub) -> None:
     """speculant train."""
     d = TrainSettings()  # the defaults live in one place
@@ -174,19 +176,12 @@ def _add_train_parser(sub) -> None:
                    help="train on the data's own answers instead of the target answering its prompts")
     t.add_argument("--answer-tokens", type=int, default=d.answer_tokens, help="length of the target's self-distilled answers")
     t.add_argument("--seq-len", type=int, default=d.seq_len)
-    t.add_argument("--layers", type=int, default=d.layers, help="dflash, eagle: drafter decoder layers; medusa: residual blocks "
-                   "per head")
-    t.add_argument("--heads", type=int, default=d.heads, help="medusa: heads (tokens guessed beyond the next one)")
-    t.add_argument("--ttt-steps", type=int, default=d.ttt_steps, help="eagle: training-time-test steps (the head fed its own "
-                   "output states)")
     t.add_argument("--dtype", default=d.dtype, help="the target's dtype while building features (auto: bfloat16 on a "
                    "GPU or a CPU with native bf16 matmuls, else float32)")
     t.add_argument("--work", default=None, metavar="DIR", help="cache folder for features and checkpoints (default "
                    "OUT.work; another run's, to reuse its features)")
-    t.add_argument("--block-size", type=int, default=d.block_size, help="tokens per drafted block (block - 1 drafts per pass)")
     t.add_argument("--draft-vocab", type=int, default=d.draft_vocab, help="draft vocabulary size (the target's: full)")
     t.add_argument("--taps", default=None, help="target layer ids to read, comma-separated (default: low, mid, high)")
-    t.add_argument("--anchors", type=int, default=d.anchors, help="blocks per sequence per step")
     t.add_argument("--batch", type=int, default=d.batch, help="sequences per optimizer step")
     t.add_argument("--lr", type=float, default=d.lr)
     t.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
@@ -195,7 +190,22 @@ def _add_train_parser(sub) -> None:
     t.add_argument("--resume", action="store_true", help="reuse cached features and the last checkpoint")
     t.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     t.add_argument("--no-progress", action="store_true", help="no progress bar: one line per checkpoint")
+    _add_kind_options(t)
     t.set_defaults(func=cmd_train)
+
+
+def _add_kind_options(t: argparse.ArgumentParser) -> None:
+    """One flag for each trained kind's own setting (its registry entry's ``options``), the kinds
+    that read it named in its help; not given (None), it is at the kind's default."""
+    kinds = t.add_argument_group("each kind's own settings (a kind ignores the others')")
+    for name, declared in TRAIN_OPTIONS.items():
+        by_help: dict[str, list[str]] = {}
+        for kind, option in declared:
+            by_help.setdefault(option.help, []).append(kind)
+        helps = "; ".join(f"{', '.join(names)}: {text}" for text, names in by_help.items())
+        kinds.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
+                           help=f"{helps} (default {declared[0][1].default})")
+
 
 def _add_export_parser(sub) -> None:
     """speculant export: the vLLM speculative config."""
@@ -208,6 +218,7 @@ def _add_export_parser(sub) -> None:
     e.add_argument("--gamma", type=_gamma_arg, default=None, help="draft tokens per pass (default: the drafter's)")
     e.add_argument("--out", default="speculative-config.json", help="where to write the JSON")
     e.set_defaults(func=cmd_export)
+
 
 def _add_serve_parser(sub, drafter_help: str) -> None:
     """speculant serve: the OpenAI-compatible server."""
@@ -424,11 +435,11 @@ def cmd_train(args) -> int:
     settings = TrainSettings(
         kind=args.kind, target=args.target, data=args.data, out=args.out, steps=args.steps, epochs=args.epochs,
         max_tokens=args.max_tokens, conversations=args.conversations, self_distill=not args.no_self_distill,
-        answer_tokens=args.answer_tokens, seq_len=args.seq_len, layers=args.layers, block_size=args.block_size,
-        heads=args.heads, ttt_steps=args.ttt_steps, dtype=args.dtype, work=args.work,
-        draft_vocab=args.draft_vocab, taps=taps, anchors=args.anchors, batch=args.batch, lr=args.lr,
+        answer_tokens=args.answer_tokens, seq_len=args.seq_len, dtype=args.dtype, work=args.work,
+        draft_vocab=args.draft_vocab, taps=taps, batch=args.batch, lr=args.lr,
         checkpoint_every=args.checkpoint_every, seed=args.seed, device=args.device, resume=args.resume,
-        overwrite=args.overwrite)
+        overwrite=args.overwrite,
+        options={name: getattr(args, name) for name in TRAIN_OPTIONS if getattr(args, name) is not None})
     run_train(settings, progress_bar=not args.no_progress)
     return 0
 

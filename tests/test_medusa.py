@@ -130,7 +130,7 @@ def test_training_lowers_the_loss_and_the_folder_drafts_losslessly(tmp_path):
 
     target_dir = save_tiny_folder(tmp_path / "target", seed=0)
     data = _jsonl(tmp_path / "data.jsonl", n=48)
-    common = dict(kind="medusa", target=str(target_dir), data=str(data), heads=3, draft_vocab=64, batch=4,
+    common = dict(kind="medusa", target=str(target_dir), data=str(data), options={"heads": 3}, draft_vocab=64, batch=4,
                   eval_sequences=4, checkpoint_every=1000, work=str(tmp_path / "cache"))
     first = run_train(TrainSettings(out=str(tmp_path / "m1"), steps=1, **common), progress_bar=False,
                       log=lambda *a: None)

@@ -12,7 +12,7 @@ import speculant
 from speculant.drafters.registry import load_trained
 from speculant.models.loading import load_model
 from speculant.tools.texts import save_texts
-from speculant.tools.train_batched import BatchedSettings, join, run_batched
+from speculant.tools.train_batched import BatchedSettings, run_batched
 from speculant.trained.dflash import DFlashNet, DFlashTrainer, dflash_config
 from speculant.trained.medusa import MedusaNet, MedusaTrainer, medusa_config
 from helpers import greedy_texts, hf_greedy, save_tiny_folder, tiny_llama
@@ -76,7 +76,6 @@ def test_batched_training_continues_a_folder_into_a_lossless_drafter(tmp_path, k
                                       batch=4, held_out=2, eval_every=2, lr=3e-3, warmup=2), log=lambda *a: None)
     assert log["steps"] == 4 and [e["step"] for e in log["evals"]] == [2, 4] and log["shipped_held_out"]["tau"] >= 1
     assert all(x == x and x < 100 for x in log["loss_curve"])  # finite
-    join(out)
     target = load_model(str(folder), device="cpu", dtype="float32")
     drafter = load_trained(str(out), target)
     prompts = [t[0][: t[1]].long().tolist() for t in texts[:3]]
