@@ -199,7 +199,8 @@ def test_training_lowers_the_loss_and_writes_a_loadable_folder(tmp_path):
                                     checkpoint_every=1000), progress_bar=False, log=lambda *a: None)
     trained = run_train(TrainSettings(kind="dflash", target=str(target_dir), data=str(data), out=str(tmp_path / "d2"),
                                       steps=120,
-                                      options={"block_size": 4, "anchors": 16}, draft_vocab=96, batch=4, eval_sequences=4, lr=3e-3,
+                                      options={"block_size": 4, "anchors": 16}, draft_vocab=96, batch=4,
+                                      eval_sequences=4, lr=3e-3,
                                       checkpoint_every=1000), progress_bar=False, log=lambda *a: None)
     curve = trained["loss_curve"]
     assert sum(curve[-10:]) / 10 < 0.9 * sum(curve[:10]) / 10, curve  # the loss falls (here ~4.5 -> ~3.6)
@@ -260,6 +261,8 @@ def test_sharegpt_reader_stops_at_the_cut():
     ("good", ["--data", "{data}", "--lr", "0"], "--lr must be > 0"),
     ("good", ["--data", "{data}", "--checkpoint-every", "0"], "--checkpoint-every must be >= 1"),
     ("good", ["--data", "{data}", "--draft-vocab", "0"], "--draft-vocab must be >= 1"),
+    ("good", ["--data", "{data}", "--block-size", "1"], "--block-size must be >= 2 (the anchor and at least one draft)"),
+    ("good", ["--data", "{data}", "--heads", "0"], "--heads must be >= 1"),  # another kind's: still checked
 ])
 def test_train_bad_input_is_one_line(tmp_path, capsys, monkeypatch, setup, args, message):
     data = tmp_path / "d.jsonl"
@@ -296,7 +299,8 @@ def test_resume_refuses_a_checkpoint_of_another_shape(tmp_path):
     ckpt = tmp_path / "work" / "checkpoint-eagle.pt"
     before = ckpt.read_bytes()
     with pytest.raises(SpeculantError, match="differently shaped eagle drafter"):
-        run_train(TrainSettings(out=str(tmp_path / "b"), options={"layers": 2}, resume=True, **common), progress_bar=False,
+        run_train(TrainSettings(out=str(tmp_path / "b"), options={"layers": 2}, resume=True, **common),
+                  progress_bar=False,
                   log=lambda *a: None)
     assert ckpt.read_bytes() == before
 

@@ -26,6 +26,7 @@ TrainOption): ``TrainSettings.options`` holds those given, ``kind_options`` all 
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
@@ -196,7 +197,7 @@ def run_train(s: TrainSettings, progress_bar: bool = True, log=print) -> dict:
         if s.resume:
             resume(run, s.kind, log)
         run.started = time.time()
-        evaluate = lambda: evaluate_held_out(run.net, run.trainer, held, s.device, s.dtype)  # noqa: E731
+        evaluate = functools.partial(evaluate_held_out, run.net, run.trainer, held, s.device, s.dtype)
 
         def on_eval(run: Run, metrics: dict, info: str) -> str:
             info += f", held-out τ {metrics['tau']:.2f}"
