@@ -45,35 +45,30 @@ from ..models.loading import forget_loaded, load_model, resolve_model_folder
 from ..trained.data import Features, jsonl_records
 from ..trained.format import default_taps, save_folder
 from .features import DISTILL_BATCH, SHARD_ITEMS, build_features, load_features  # noqa: F401 (their home was here)
-from .trainer import (Progress, Run, adamw, bf16_state, draft_vocabulary, evaluate_held_out,  # noqa: F401
+from .trainer import (LoopSettings, Progress, Run, adamw, bf16_state, draft_vocabulary, evaluate_held_out,  # noqa: F401
                       feature_dtype, mixed_precision, resume, set_lr, train_loop)
 
 
 @dataclass
-class TrainSettings:
+class TrainSettings(LoopSettings):
+    """``speculant train``'s settings: the loop's (LoopSettings; ``work`` holds the feature cache
+    too, OUT.work by default), the feature cache's, the kind's own."""
+
     kind: str = "eagle"
     target: str = "default"
     data: str = "sharegpt"
     out: str = ""
-    steps: int | None = None
-    epochs: float = 1.0
     max_tokens: int = 200_000  # feature tokens (prompt + answer) to build
     conversations: int | None = None  # cap on conversations read
     self_distill: bool = True
     answer_tokens: int = 256  # self-distilled answer length
     seq_len: int = 640
-    work: str | None = None  # the cache folder (features, checkpoints); default OUT.work
     draft_vocab: int = 8192
     taps: list[int] | None = None
-    batch: int = 4  # sequences per optimizer step
-    lr: float = 1e-3
-    warmup: int = 50
     eval_sequences: int = 32
     checkpoint_every: int = 100
-    seed: int = 0
     device: str | None = None
     dtype: str = "auto"  # the target's while building features (feature_dtype)
-    resume: bool = False
     overwrite: bool = False
     # the kind's own settings given (its TrainedKind.options: layers, heads, ...); the rest at their defaults
     options: dict = field(default_factory=dict)

@@ -34,14 +34,17 @@ from ..trained.data import Features
 from ..trained.format import default_taps, load_state, tapped_layers
 from .texts import load_texts
 from .train import kind_options, new_network
-from .trainer import Run, adamw, bf16_state, draft_vocabulary, evaluate_held_out, mixed_precision, resume, train_loop
+from .trainer import LoopSettings, Run, adamw, bf16_state, draft_vocabulary, evaluate_held_out, mixed_precision, resume, train_loop
 
 BUCKET = 128  # sequence lengths are padded up to a multiple of this: few shapes (each new one ~0.4 s on a GPU)
 _log = functools.partial(print, flush=True)
 
 
 @dataclass
-class BatchedSettings:
+class BatchedSettings(LoopSettings):
+    """The batched mode's settings: the loop's (LoopSettings, some defaults of its own), the texts'
+    and the folder's."""
+
     data: list[str] = field(default_factory=list)  # text files (tools/texts.py)
     config: str = ""  # a drafter folder whose config to train (the shipped one)
     out: str = ""
@@ -50,16 +53,11 @@ class BatchedSettings:
     device: str = "cuda"
     dtype: str = "bfloat16"  # the target's
     epochs: float = 8
-    steps: int | None = None  # exactly this many steps (else epochs)
     batch: int = 32
-    lr: float = 1e-3
     warmup: int = 100
     seq_len: int = 1152
     held_out: int = 64
-    eval_every: int = 500
-    seed: int = 0
-    work: str | None = None  # checkpoints, each evaluation (None: none)
-    resume: bool = False  # continue from the checkpoint in ``work``
+    eval_every: int = 500  # and a checkpoint each time, where ``work`` is given
 
 
 def batches(texts: list, batch: int, rng: random.Random) -> list[list[int]]:

@@ -28,6 +28,21 @@ from ..models.loading import resolve_device
 
 
 @dataclass
+class LoopSettings:
+    """What every mode's settings give the loop (each mode's type adds its data's and may change a
+    default)."""
+
+    steps: int | None = None  # optimizer steps (default: epochs over the data)
+    epochs: float = 1.0
+    batch: int = 4  # sequences per optimizer step
+    lr: float = 1e-3
+    warmup: int = 50  # steps of linear warm-up before the cosine decay
+    seed: int = 0
+    work: str | None = None  # where checkpoints go (speculant train: the feature cache too)
+    resume: bool = False  # continue from the checkpoint in ``work``
+
+
+@dataclass
 class Run:
     """A training run: its network, trainer and optimiser, where it stands (``on_step`` may lower
     ``total``) and what it has learnt so far."""
