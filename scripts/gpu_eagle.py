@@ -2,7 +2,10 @@
 
 The command line of speculant.tools.train_batched (the target's tapped states computed on the fly
 for a batch of right-padded sequences per step, the kind's ``loss_batch``; lengths padded to
-multiples of 128) and speculant.tools.texts (prompts, the target's answers, text files). ``train``
+multiples of 128) and speculant.tools.texts (prompts, the target's answers, text files), with what
+only a run on the GPU machine needs: ``--minutes`` (steps 15 to 45 timed, the schedule cut to fit)
+and the LM head written apart from the rest (that machine returns files of 16 MiB at most; ``join``
+makes one ``model.safetensors`` of them again). ``train``
 continues any trained kind's folder (``--config``: EAGLE, DFlash or Medusa); ``--device cpu`` works
 too: on a CPU with native bf16 matmuls (AMX) EAGLE trains under bf16 autocast at ~1,100 tokens/s
 (2 cores, batch 8).
@@ -35,13 +38,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import time
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from speculant.errors import SpeculantError
 from speculant.models.loading import load_model
 from speculant.tools import texts
-from speculant.tools.train_batched import BatchedSettings, join, run_batched
+from speculant.tools.train_batched import BatchedSettings, run_batched
 
 
 def distill(a) -> None:
@@ -73,7 +79,46 @@ def from_cache(a) -> None:
 
 
 def train(a) -> None:
-    run_batched(BatchedSettings(**{f.name: getattr(a, f.name) for f in dataclasses.fields(BatchedSettings)}))
+    settings = BatchedSettings(**{f.name: getattr(a, f.name) for f in dataclasses.fields(BatchedSettings)})
+    on_step = fit_minutes(a.minutes) if a.minutes and not a.steps else None
+    run_batched(settings, on_step=on_step, write=write_apart)
+
+
+def fit_minutes(minutes: float, log=print):
+    """``run_batched``'s on_step for ``--minutes``: steps 15 to 45 timed (the first ones pay for new
+    shapes), then the schedule cut to the steps that fit the time left."""
+    marks = {}
+
+    def on_step(run) -> None:
+        if run.step == 15:
+            marks["t15"] = time.time()
+        if run.step == 45:
+            per_step = (time.time() - marks["t15"]) / 30
+            fits = run.step + int((minutes * 60 - (time.time() - run.started)) / per_step)
+            if fits < run.total:
+                log(f"{per_step * 1000:.0f} ms/step: {run.total} steps do not fit {minutes} min; {fits}", flush=True)
+                run.total = fits
+
+    return on_step
+
+
+def write_apart(out: Path, state: dict) -> None:
+    """``run_batched``'s weights with the LM head apart from the rest: the GPU machine returns files
+    of 16 MiB at most."""
+    head = {k: state.pop(k).contiguous() for k in ["lm_head.weight"] if k in state}
+    save_file(head, str(out / "lm_head.safetensors"))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "rest.safetensors"))
+
+
+def join(out) -> int:
+    """``write_apart``'s files as one ``model.safetensors`` again, a drafter folder ``--drafter
+    trained:DIR`` loads. Returns the number of tensors."""
+    out = Path(out)
+    state = load_file(str(out / "rest.safetensors")) | load_file(str(out / "lm_head.safetensors"))
+    save_file({k: state[k].contiguous() for k in sorted(state)}, str(out / "model.safetensors"))
+    for part in ("rest", "lm_head"):
+        (out / f"{part}.safetensors").unlink()
+    return len(state)
 
 
 def main() -> None:
@@ -117,6 +162,8 @@ def main() -> None:
     t.add_argument("--seq-len", type=int, default=1152)
     t.add_argument("--held-out", type=int, default=64)
     t.add_argument("--eval-every", type=int, default=500)
+    t.add_argument("--work", help="a folder for checkpoints (one each evaluation; none without it)")
+    t.add_argument("--resume", action="store_true", help="continue from the checkpoint in --work")
     a = p.parse_args()
     stages = {"prompts": prompts, "self-instruct": self_instruct, "from-cache": from_cache, "distill": distill,
               "train": train, "join": lambda a: print(f"{a.out}/model.safetensors: {join(a.out)} tensors")}

@@ -16,7 +16,7 @@ from .bench.cli import add_bench_parser
 from .check import read_prompt_file, run_check
 from .constrain import check_schema, json_schema_processor
 from .drafters import DRAFTER_HELP, check_spec, validate_drafter_spec
-from .drafters.registry import TRAINED_KINDS
+from .drafters.registry import TRAIN_OPTIONS, TRAINED_KINDS
 from .errors import SpeculantError
 from .export import export_vllm
 from .limits import MAX_SCHEMA_BYTES
@@ -85,7 +85,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = _Parser(prog="speculant", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate_parser(sub, drafter_help)
+    _add_check_parser(sub, drafter_help)
+    _add_train_parser(sub)
+    _add_export_parser(sub)
+    _add_serve_parser(sub, drafter_help)
+    add_tune_layerskip_parser(sub)
+    add_bench_parser(sub)
+    return parser
 
+
+def _add_generate_parser(sub, drafter_help: str) -> None:
+    """speculant generate PROMPT."""
     g = sub.add_parser("generate", help="generate text for one prompt", description="Generate text for PROMPT.")
     g.add_argument("prompt")
     g.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct), a model folder, or a .gguf file")
@@ -119,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="with --json: each token's logprob under the target and the top N alternatives")
 
+
+def _add_check_parser(sub, drafter_help: str) -> None:
+    """speculant check: greedy identity and the sampled distribution."""
     c = sub.add_parser("check", help="prove a target + drafter exact: greedy identity and the sampled distribution",
                        description="Checks that speculative decoding with DRAFTER leaves TARGET's output unchanged: "
                                    "greedy text against Hugging Face generate (near-tie divergences listed with their "
@@ -141,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-chat-template", action="store_true")
     c.set_defaults(func=cmd_check)
 
+
+def _add_train_parser(sub) -> None:
+    """speculant train."""
     d = TrainSettings()  # the defaults live in one place
     t = sub.add_parser("train", help="train a drafter on the target's own hidden states (speculators format)",
                        description="Train a drafter for TARGET: its features (hidden states, next-token choices) "
@@ -159,19 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train on the data's own answers instead of the target answering its prompts")
     t.add_argument("--answer-tokens", type=int, default=d.answer_tokens, help="length of the target's self-distilled answers")
     t.add_argument("--seq-len", type=int, default=d.seq_len)
-    t.add_argument("--layers", type=int, default=d.layers, help="dflash, eagle: drafter decoder layers; medusa: residual blocks "
-                   "per head")
-    t.add_argument("--heads", type=int, default=d.heads, help="medusa: heads (tokens guessed beyond the next one)")
-    t.add_argument("--ttt-steps", type=int, default=d.ttt_steps, help="eagle: training-time-test steps (the head fed its own "
-                   "output states)")
     t.add_argument("--dtype", default=d.dtype, help="the target's dtype while building features (auto: bfloat16 on a "
                    "GPU or a CPU with native bf16 matmuls, else float32)")
     t.add_argument("--work", default=None, metavar="DIR", help="cache folder for features and checkpoints (default "
                    "OUT.work; another run's, to reuse its features)")
-    t.add_argument("--block-size", type=int, default=d.block_size, help="tokens per drafted block (block - 1 drafts per pass)")
     t.add_argument("--draft-vocab", type=int, default=d.draft_vocab, help="draft vocabulary size (the target's: full)")
     t.add_argument("--taps", default=None, help="target layer ids to read, comma-separated (default: low, mid, high)")
-    t.add_argument("--anchors", type=int, default=d.anchors, help="blocks per sequence per step")
     t.add_argument("--batch", type=int, default=d.batch, help="sequences per optimizer step")
     t.add_argument("--lr", type=float, default=d.lr)
     t.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
@@ -180,8 +190,25 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="reuse cached features and the last checkpoint")
     t.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     t.add_argument("--no-progress", action="store_true", help="no progress bar: one line per checkpoint")
+    _add_kind_options(t)
     t.set_defaults(func=cmd_train)
 
+
+def _add_kind_options(t: argparse.ArgumentParser) -> None:
+    """One flag for each trained kind's own setting (its registry entry's ``options``), the kinds
+    that read it named in its help; not given (None), it is at the kind's default."""
+    kinds = t.add_argument_group("each kind's own settings (a kind ignores the others')")
+    for name, declared in TRAIN_OPTIONS.items():
+        by_help: dict[str, list[str]] = {}
+        for kind, option in declared:
+            by_help.setdefault(option.help, []).append(kind)
+        helps = "; ".join(f"{', '.join(names)}: {text}" for text, names in by_help.items())
+        kinds.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
+                           help=f"{helps} (default {declared[0][1].default})")
+
+
+def _add_export_parser(sub) -> None:
+    """speculant export: the vLLM speculative config."""
     e = sub.add_parser("export", help="print (and write) the vLLM --speculative-config for a target and drafter",
                        description="For serving at scale: the vLLM speculative config matching a speculant drafter "
                                    "(ngram, suffix, eagle:DIR, dflash:DIR, model:FOLDER), and the vllm serve command.")
@@ -192,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", default="speculative-config.json", help="where to write the JSON")
     e.set_defaults(func=cmd_export)
 
+
+def _add_serve_parser(sub, drafter_help: str) -> None:
+    """speculant serve: the OpenAI-compatible server."""
     v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, streaming, metrics)",
                        description="Serve TARGET with DRAFTER over HTTP: /v1/completions, /v1/chat/completions "
                                    "(streaming or not), /v1/models, /health, /metrics and a playground page at /. "
@@ -222,11 +252,6 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--compile", action="store_true")
     v.set_defaults(func=cmd_serve)
 
-    add_tune_layerskip_parser(sub)
-    add_bench_parser(sub)
-    return parser
-
-
 def _stats_line(stats: dict) -> str:
     return (
         f"[{stats['drafter']} γ={stats['gamma']} (mean {stats['mean_gamma']:.1f})] α={stats['acceptance_rate']:.2f} "
@@ -251,8 +276,24 @@ def _read_schema(spec: str):
 
 
 def cmd_generate(args) -> int:
+    sampling, schema = _check_generate_args(args)
+    gen = load(args.target, drafter=args.drafter, gamma=args.gamma, device=args.device, dtype=args.dtype,
+               device_map=args.device_map,
+               path=args.path, compile=args.compile)
+    if args.json_schema is not None:
+        sampling["logits_processors"] = [json_schema_processor(gen.tokenizer, schema, gen.target.eos_token_ids)]
+    chat = not args.no_chat_template
+    kwargs = dict(max_new_tokens=args.max_new_tokens, seed=args.seed, stop=args.stop, chat_template=chat, **sampling)
+    prompt_ids = gen.encode(args.prompt, chat)
+    if args.json:
+        return _generate_json(gen, args.prompt, prompt_ids, kwargs)
+    return _generate_streamed(gen, args, kwargs)
+
+
+def _check_generate_args(args) -> tuple[dict, object]:
+    """(sampling settings, JSON schema or None): every bad value fails here, before any model work."""
     sampling = sampling_from_args(args)
-    SamplingParams(**sampling)  # bad values fail before any model work
+    SamplingParams(**sampling)
     if args.gamma is not None:
         check_gamma(args.gamma)
     if args.logprobs is not None:
@@ -268,36 +309,33 @@ def cmd_generate(args) -> int:
     if not args.prompt.strip():
         raise SpeculantError("the prompt is empty: give some text to continue")
     schema = _read_schema(args.json_schema) if args.json_schema is not None else None
-    check_schema(schema)  # its bounds, before any model work
-    gen = load(args.target, drafter=args.drafter, gamma=args.gamma, device=args.device, dtype=args.dtype,
-               device_map=args.device_map,
-               path=args.path, compile=args.compile)
-    if args.json_schema is not None:
-        sampling["logits_processors"] = [json_schema_processor(gen.tokenizer, schema, gen.target.eos_token_ids)]
-    chat = not args.no_chat_template
-    kwargs = dict(max_new_tokens=args.max_new_tokens, seed=args.seed, stop=args.stop, chat_template=chat, **sampling)
-    prompt_ids = gen.encode(args.prompt, chat)
+    check_schema(schema)  # its bounds
+    return sampling, schema
 
-    if args.json:
-        stream = gen.stream(args.prompt, **kwargs)
-        parts = []
-        try:
-            for piece in stream:
-                parts.append(piece)
-        except KeyboardInterrupt:
-            print(json.dumps({"text": "".join(parts), "prompt_token_ids": prompt_ids, "interrupted": True}))
-            return 130
-        out = gen.last
-        print(json.dumps({
-            "text": out.text,
-            "prompt_token_ids": out.prompt_token_ids,
-            "token_ids": out.token_ids,
-            "finish_reason": out.finish_reason,
-            "stats": out.stats,
-            **({"logprobs": out.logprobs} if out.logprobs is not None else {}),
-        }))
-        return 0
 
+def _generate_json(gen, prompt: str, prompt_ids: list[int], kwargs: dict) -> int:
+    """--json: one object at the end (what was generated so far if interrupted)."""
+    parts = []
+    try:
+        for piece in gen.stream(prompt, **kwargs):
+            parts.append(piece)
+    except KeyboardInterrupt:
+        print(json.dumps({"text": "".join(parts), "prompt_token_ids": prompt_ids, "interrupted": True}))
+        return 130
+    out = gen.last
+    print(json.dumps({
+        "text": out.text,
+        "prompt_token_ids": out.prompt_token_ids,
+        "token_ids": out.token_ids,
+        "finish_reason": out.finish_reason,
+        "stats": out.stats,
+        **({"logprobs": out.logprobs} if out.logprobs is not None else {}),
+    }))
+    return 0
+
+
+def _generate_streamed(gen, args, kwargs: dict) -> int:
+    """The text as it comes (coloured by origin with --show-acceptance), then the stats line on stderr."""
     try:
         if args.show_acceptance:
             _print_with_origins(gen.stream(args.prompt, origins=True, **kwargs))
@@ -397,11 +435,11 @@ def cmd_train(args) -> int:
     settings = TrainSettings(
         kind=args.kind, target=args.target, data=args.data, out=args.out, steps=args.steps, epochs=args.epochs,
         max_tokens=args.max_tokens, conversations=args.conversations, self_distill=not args.no_self_distill,
-        answer_tokens=args.answer_tokens, seq_len=args.seq_len, layers=args.layers, block_size=args.block_size,
-        heads=args.heads, ttt_steps=args.ttt_steps, dtype=args.dtype, work=args.work,
-        draft_vocab=args.draft_vocab, taps=taps, anchors=args.anchors, batch=args.batch, lr=args.lr,
+        answer_tokens=args.answer_tokens, seq_len=args.seq_len, dtype=args.dtype, work=args.work,
+        draft_vocab=args.draft_vocab, taps=taps, batch=args.batch, lr=args.lr,
         checkpoint_every=args.checkpoint_every, seed=args.seed, device=args.device, resume=args.resume,
-        overwrite=args.overwrite)
+        overwrite=args.overwrite,
+        options={name: getattr(args, name) for name in TRAIN_OPTIONS if getattr(args, name) is not None})
     run_train(settings, progress_bar=not args.no_progress)
     return 0
 

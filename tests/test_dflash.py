@@ -195,11 +195,12 @@ def test_training_lowers_the_loss_and_writes_a_loadable_folder(tmp_path):
     target_dir = save_tiny_folder(tmp_path / "target", seed=0)
     data = _jsonl(tmp_path / "data.jsonl")
     first = run_train(TrainSettings(kind="dflash", target=str(target_dir), data=str(data), out=str(tmp_path / "d1"), steps=1,
-                                    block_size=4, draft_vocab=96, batch=4, anchors=16, eval_sequences=4,
+                                    options={"block_size": 4, "anchors": 16}, draft_vocab=96, batch=4, eval_sequences=4,
                                     checkpoint_every=1000), progress_bar=False, log=lambda *a: None)
     trained = run_train(TrainSettings(kind="dflash", target=str(target_dir), data=str(data), out=str(tmp_path / "d2"),
                                       steps=120,
-                                      block_size=4, draft_vocab=96, batch=4, anchors=16, eval_sequences=4, lr=3e-3,
+                                      options={"block_size": 4, "anchors": 16}, draft_vocab=96, batch=4,
+                                      eval_sequences=4, lr=3e-3,
                                       checkpoint_every=1000), progress_bar=False, log=lambda *a: None)
     curve = trained["loss_curve"]
     assert sum(curve[-10:]) / 10 < 0.9 * sum(curve[:10]) / 10, curve  # the loss falls (here ~4.5 -> ~3.6)
@@ -260,6 +261,8 @@ def test_sharegpt_reader_stops_at_the_cut():
     ("good", ["--data", "{data}", "--lr", "0"], "--lr must be > 0"),
     ("good", ["--data", "{data}", "--checkpoint-every", "0"], "--checkpoint-every must be >= 1"),
     ("good", ["--data", "{data}", "--draft-vocab", "0"], "--draft-vocab must be >= 1"),
+    ("good", ["--data", "{data}", "--block-size", "1"], "--block-size must be >= 2 (the anchor and at least one draft)"),
+    ("good", ["--data", "{data}", "--heads", "0"], "--heads must be >= 1"),  # another kind's: still checked
 ])
 def test_train_bad_input_is_one_line(tmp_path, capsys, monkeypatch, setup, args, message):
     data = tmp_path / "d.jsonl"
@@ -296,7 +299,8 @@ def test_resume_refuses_a_checkpoint_of_another_shape(tmp_path):
     ckpt = tmp_path / "work" / "checkpoint-eagle.pt"
     before = ckpt.read_bytes()
     with pytest.raises(SpeculantError, match="differently shaped eagle drafter"):
-        run_train(TrainSettings(out=str(tmp_path / "b"), layers=2, resume=True, **common), progress_bar=False,
+        run_train(TrainSettings(out=str(tmp_path / "b"), options={"layers": 2}, resume=True, **common),
+                  progress_bar=False,
                   log=lambda *a: None)
     assert ckpt.read_bytes() == before
 
@@ -343,7 +347,8 @@ def test_train_and_run_on_a_second_architecture(tmp_path, kind):
             (tmp_path / "gemma" / name).write_bytes((folder / name).read_bytes())
     data = _jsonl(tmp_path / "data.jsonl", n=8)
     run_train(TrainSettings(kind=kind, target=str(tmp_path / "gemma"), data=str(data), out=str(tmp_path / "d"), steps=3,
-                            block_size=4, draft_vocab=48, batch=2, anchors=8, eval_sequences=2),
+                            options={"block_size": 4, "anchors": 8}, draft_vocab=48, batch=2,
+                            eval_sequences=2),
               progress_bar=False, log=lambda *a: None)
     gen = speculant.load(str(tmp_path / "gemma"), drafter=f"{kind}:{tmp_path / 'd'}", gamma=3)
     ids = gen.tokenizer("w3 w7 w3 w7 w3 w7")["input_ids"]

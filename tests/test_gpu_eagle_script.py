@@ -115,3 +115,24 @@ def test_self_instruct_refuses_a_target_without_a_chat_template(tmp_path, monkey
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and err.startswith("gpu_eagle.py self-instruct: self-instruct needs a chat template")
     assert "\n" not in err and not (tmp_path / "m.pt").exists()
+
+
+def test_minutes_cut_the_schedule_to_what_fits():
+    """--minutes (the script's, not the package's): steps 15 to 45 timed, the total cut to the steps
+    that fit the time left, and never raised."""
+    script = runpy.run_path(str(SCRIPT))
+    ticks = []
+    clock = type("Clock", (), {"time": staticmethod(lambda: ticks.pop(0))})
+    script["fit_minutes"].__globals__["time"] = clock  # the script's own module: its clock alone
+
+    def schedule(minutes, total, started, clock):
+        ticks[:] = clock
+        run = type("Run", (), {"step": 0, "total": total, "started": started})()
+        on_step = script["fit_minutes"](minutes, log=lambda *a, **k: None)
+        for run.step in range(1, 46):
+            on_step(run)
+        return run.total
+
+    # step 15 at 100 s, step 45 at 130 s (1 s a step), 40 s of 60 gone: 20 more steps
+    assert schedule(1, 1000, 90.0, [100.0, 130.0, 130.0]) == 45 + 20
+    assert schedule(10, 50, 0.0, [0.0, 3.0, 3.0]) == 50

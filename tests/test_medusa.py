@@ -130,7 +130,7 @@ def test_training_lowers_the_loss_and_the_folder_drafts_losslessly(tmp_path):
 
     target_dir = save_tiny_folder(tmp_path / "target", seed=0)
     data = _jsonl(tmp_path / "data.jsonl", n=48)
-    common = dict(kind="medusa", target=str(target_dir), data=str(data), heads=3, draft_vocab=64, batch=4,
+    common = dict(kind="medusa", target=str(target_dir), data=str(data), options={"heads": 3}, draft_vocab=64, batch=4,
                   eval_sequences=4, checkpoint_every=1000, work=str(tmp_path / "cache"))
     first = run_train(TrainSettings(out=str(tmp_path / "m1"), steps=1, **common), progress_bar=False,
                       log=lambda *a: None)
@@ -146,3 +146,23 @@ def test_training_lowers_the_loss_and_the_folder_drafts_losslessly(tmp_path):
     out = gen.generate_ids([ids], max_new_tokens=16)[0]
     assert out.token_ids == hf_greedy(gen.target.model, ids, 16)[: len(out.token_ids)]
     assert out.stats["tree_passes"] > 0
+
+
+def test_a_kinds_own_settings_are_flags_of_speculant_train(tmp_path, capsys):
+    """--heads and --layers, declared by the medusa entry (TrainedKind.options), reach its network
+    from the command line; --ttt-steps, another kind's, is taken and ignored; the help names each
+    flag's kinds."""
+    target_dir = save_tiny_folder(tmp_path / "target", seed=0)
+    out = tmp_path / "m"
+    data = _jsonl(tmp_path / "d.jsonl", n=8)
+    code = main(["train", "--kind", "medusa", "--target", str(target_dir), "--data", str(data), "--out", str(out),
+                 "--steps", "1", "--batch", "2", "--draft-vocab", "64", "--heads", "2", "--layers", "2",
+                 "--ttt-steps", "5", "--no-progress"])
+    assert code == 0, capsys.readouterr().err
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["num_heads"] == 2 and cfg["num_hidden_layers"] == 2
+    settings = json.loads((out / "speculant_training.json").read_text())["settings"]
+    assert settings["heads"] == 2 and settings["layers"] == 2 and "ttt_steps" not in settings
+    assert main(["train", "--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--heads HEADS medusa: heads" in help_text and "--ttt-steps TTT_STEPS eagle, mtp:" in help_text

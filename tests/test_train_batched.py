@@ -12,7 +12,7 @@ import speculant
 from speculant.drafters.registry import load_trained
 from speculant.models.loading import load_model
 from speculant.tools.texts import save_texts
-from speculant.tools.train_batched import BatchedSettings, join, run_batched
+from speculant.tools.train_batched import BatchedSettings, run_batched
 from speculant.trained.dflash import DFlashNet, DFlashTrainer, dflash_config
 from speculant.trained.medusa import MedusaNet, MedusaTrainer, medusa_config
 from helpers import greedy_texts, hf_greedy, save_tiny_folder, tiny_llama
@@ -76,10 +76,28 @@ def test_batched_training_continues_a_folder_into_a_lossless_drafter(tmp_path, k
                                       batch=4, held_out=2, eval_every=2, lr=3e-3, warmup=2), log=lambda *a: None)
     assert log["steps"] == 4 and [e["step"] for e in log["evals"]] == [2, 4] and log["shipped_held_out"]["tau"] >= 1
     assert all(x == x and x < 100 for x in log["loss_curve"])  # finite
-    join(out)
     target = load_model(str(folder), device="cpu", dtype="float32")
     drafter = load_trained(str(out), target)
     prompts = [t[0][: t[1]].long().tolist() for t in texts[:3]]
     outs = speculant.generate(target.model, prompts, drafter=drafter, gamma=3, max_new_tokens=16)
     for p, o in zip(prompts, outs):
         assert o.token_ids == hf_greedy(target.model, p, 16)
+
+
+def test_batched_training_resumes_from_its_checkpoint(tmp_path):
+    """With a --work folder the batched mode checkpoints at each evaluation (the one loop's), and a
+    run with resume continues there (its network, optimiser and step)."""
+    folder = save_tiny_folder(tmp_path / "target", seed=0)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    start = _random_drafter_folder(tmp_path, model, draft_vocab=48)
+    save_texts(greedy_texts(model, 10, 16), tmp_path / "texts.pt")
+    common = dict(data=[str(tmp_path / "texts.pt")], config=str(start), init=str(start), target=str(folder),
+                  device="cpu", dtype="float32", batch=4, held_out=2, eval_every=2, lr=3e-3, warmup=2)
+    first = run_batched(BatchedSettings(out=str(tmp_path / "a"), steps=2, work=str(tmp_path / "work"), **common),
+                        log=lambda *a: None)
+    assert (tmp_path / "work" / "checkpoint-dflash.pt").is_file() and first["steps"] == 2
+    lines = []
+    resumed = run_batched(BatchedSettings(out=str(tmp_path / "b"), steps=4, work=str(tmp_path / "work"), resume=True,
+                                          **common), log=lines.append)
+    assert any("resumed at step 2/4" in line for line in lines), lines
+    assert resumed["steps"] == 4 and len(resumed["loss_curve"]) == 2 and [e["step"] for e in resumed["evals"]] == [4]

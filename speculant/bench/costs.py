@@ -12,6 +12,7 @@ probability 1 - α, while a real draft model runs alongside so its cost is paid 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -282,6 +283,26 @@ def end_to_end(target_spec: str, device, dtype, n=128, per_category=2, gamma=5, 
     lm = load_model(target_spec, device=device, dtype=dtype)
     model = lm.model
     prompts = bench_prompts(per_category)
+    methods = _e2e_methods(lm, device, gamma, compile)
+    ids = [Generator(lm, NoDrafter(), 1).encode(p) for _, p in prompts]
+    run = functools.partial(_e2e_run, model, device, n, gamma)
+    for name, gen in methods.items():  # warm-up (graph capture, allocator) on the first prompt
+        run(name, gen, ids[0])
+    records = []
+    for (cat, _), x in zip(prompts, ids):
+        ref = None
+        for name, gen in methods.items():
+            toks, stats, sec = run(name, gen, x)
+            if name == "hf_generate":
+                ref = toks
+            records.append(_e2e_record(model, device, cat, name, x, ref, toks, stats, sec))
+    summary = _e2e_summary(methods, records, log)
+    return {"target": target_spec, "weights_bytes": weight_bytes(model), "max_new_tokens": n, "gamma": gamma,
+            "summary": summary, "records": records}
+
+
+def _e2e_methods(lm, device, gamma: int, compile: bool) -> dict:
+    """The methods compared, by name: None for HF's own generate (plain or with prompt lookup)."""
     gpu_compile = compile and device.type == "cuda"
     methods = {
         "hf_generate": None,
@@ -292,44 +313,41 @@ def end_to_end(target_spec: str, device, dtype, n=128, per_category=2, gamma=5, 
     if compile and device.type == "cpu":  # on CPU the compiled rows sit beside the eager ones
         methods["speculant_none_compiled"] = Generator(lm, NoDrafter(), 1, path="fast", compile=True)
         methods["speculant_ngram_compiled"] = Generator(lm, NgramDrafter(), gamma, path="fast", compile=True)
-    ids = [Generator(lm, NoDrafter(), 1).encode(p) for _, p in prompts]
-    records = []
+    return methods
 
-    def hf(x, **kw):
-        t = torch.tensor([x], device=device)
-        return model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=n, do_sample=False, **kw)[0, len(x):].tolist()
 
-    for name, gen in methods.items():  # warm-up (graph capture, allocator) on the first prompt
-        if gen is None:
-            hf(ids[0], **({"prompt_lookup_num_tokens": gamma} if name == "hf_prompt_lookup" else {}))
-        else:
-            gen.generate_ids([ids[0]], max_new_tokens=n)
-    for (cat, _), x in zip(prompts, ids):
-        ref = None
-        for name, gen in methods.items():
-            sync(device)
-            t = time.perf_counter()
-            if gen is None:
-                toks = hf(x, **({"prompt_lookup_num_tokens": gamma} if name == "hf_prompt_lookup" else {}))
-                stats = {}
-            else:
-                o = gen.generate_ids([x], max_new_tokens=n)[0]
-                toks, stats = o.token_ids, o.stats
-            sync(device)
-            sec = time.perf_counter() - t
-            if name == "hf_generate":
-                ref = toks
-            k = next((i for i, (a, b) in enumerate(zip(ref, toks)) if a != b), None)
-            gap = None
-            if k is not None:  # the reference's logit gap between its token and ours: a near-tie?
-                with torch.no_grad():
-                    logits = model(torch.tensor([x + ref[:k]], device=device)).logits[0, -1].float()
-                gap = float(logits[ref[k]] - logits[toks[k]])
-            records.append({"category": cat, "method": name, "tokens": len(toks), "seconds": sec,
-                            "tokens_per_second": len(toks) / sec, "identical_to_hf": toks == ref,
-                            "first_mismatch": k, "logit_gap_at_mismatch": gap,
-                            "acceptance_rate": stats.get("acceptance_rate"),
-                            "mean_accepted_tokens": stats.get("mean_accepted_tokens")})
+def _e2e_run(model, device, n: int, gamma: int, name: str, gen, x: list[int]) -> tuple[list[int], dict, float]:
+    """One method on one prompt: (tokens, stats, seconds)."""
+    sync(device)
+    t = time.perf_counter()
+    if gen is None:
+        kw = {"prompt_lookup_num_tokens": gamma} if name == "hf_prompt_lookup" else {}
+        ids = torch.tensor([x], device=device)
+        toks = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                              **kw)[0, len(x):].tolist()
+        stats = {}
+    else:
+        o = gen.generate_ids([x], max_new_tokens=n)[0]
+        toks, stats = o.token_ids, o.stats
+    sync(device)
+    return toks, stats, time.perf_counter() - t
+
+
+def _e2e_record(model, device, cat: str, name: str, x, ref, toks, stats: dict, sec: float) -> dict:
+    k = next((i for i, (a, b) in enumerate(zip(ref, toks)) if a != b), None)
+    gap = None
+    if k is not None:  # the reference's logit gap between its token and ours: a near-tie?
+        with torch.no_grad():
+            logits = model(torch.tensor([x + ref[:k]], device=device)).logits[0, -1].float()
+        gap = float(logits[ref[k]] - logits[toks[k]])
+    return {"category": cat, "method": name, "tokens": len(toks), "seconds": sec,
+            "tokens_per_second": len(toks) / sec, "identical_to_hf": toks == ref,
+            "first_mismatch": k, "logit_gap_at_mismatch": gap,
+            "acceptance_rate": stats.get("acceptance_rate"),
+            "mean_accepted_tokens": stats.get("mean_accepted_tokens")}
+
+
+def _e2e_summary(methods: dict, records: list[dict], log) -> dict:
     summary = {}
     for name in methods:
         rs = [r for r in records if r["method"] == name]
@@ -347,8 +365,7 @@ def end_to_end(target_spec: str, device, dtype, n=128, per_category=2, gamma=5, 
         log(f"  e2e {name:18s} {summary[name]['tokens_per_second']:8.1f} tok/s  x{summary[name]['speedup_vs_hf_generate']:.2f}"
             f"  identical {summary[name]['identical']}/{summary[name]['prompts']}"
             f"  max gap at mismatch {summary[name]['max_logit_gap_at_mismatch']}")
-    return {"target": target_spec, "weights_bytes": weight_bytes(model), "max_new_tokens": n, "gamma": gamma,
-            "summary": summary, "records": records}
+    return summary
 
 
 def kernel_table(target_spec: str, device, bandwidth: float, n=32, prompt_len=128, log=print) -> dict:

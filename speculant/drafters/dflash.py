@@ -20,7 +20,7 @@ from ..trained.dflash import DFlashNet
 from ..trained.format import load_network
 from .base import DraftContext, Drafter, Proposal
 from .model import fit_vocab
-from .spec import TrainedKind
+from .spec import TrainedKind, TrainOption
 
 
 def load_dflash(folder: str, target: torch.nn.Module, target_name: str, dtype=None) -> "DFlashDrafter":
@@ -155,4 +155,8 @@ def _vllm(folder: str, cfg: dict, fixed: int | None) -> dict:
 DFLASH = TrainedKind(
     name="dflash", model_type="dflash", network=DFlashNet, load=load_dflash, training_config=trained.training_config,
     settings_of=trained.settings_of, trainer=trained.trainer, vllm=_vllm,
-    train_help="a block drafter: one forward per block")
+    train_help="a block drafter: one forward per block",
+    options=(TrainOption("layers", 1, "drafter decoder layers"),
+             TrainOption("block_size", 8, "tokens per drafted block (block - 1 drafts per pass)", minimum=2,
+                         why="the anchor and at least one draft"),
+             TrainOption("anchors", 48, "blocks per sequence per step")))

@@ -36,7 +36,7 @@ from ..trained import eagle as trained
 from ..trained.eagle import EagleNet
 from ..trained.format import default_taps, load_network, read_config, tensor_names
 from .base import DraftContext, Drafter, Proposal
-from .spec import TrainedKind
+from .spec import TrainedKind, TrainOption
 
 TOP_K = 8  # children offered per expanded node
 BEAM = 6  # nodes expanded per depth
@@ -306,4 +306,6 @@ def _vllm(folder: str, cfg: dict, fixed: int | None) -> dict:  # vLLM drafts a c
 EAGLE = TrainedKind(
     name="eagle", model_type="eagle3", network=EagleNet, load=load_eagle, training_config=trained.training_config,
     settings_of=trained.settings_of, trainer=trained.trainer, init_from_target=trained.init_from_target, vllm=_vllm,
-    trees=True, taps_optional=True, train_help="an EAGLE-3 head drafting token trees")
+    trees=True, taps_optional=True, train_help="an EAGLE-3 head drafting token trees",
+    options=(TrainOption("layers", 1, "drafter decoder layers"),
+             TrainOption("ttt_steps", 3, "training-time-test steps (the head fed its own output states)")))

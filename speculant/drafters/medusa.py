@@ -19,7 +19,7 @@ from ..trained.format import load_network
 from ..trained.medusa import MedusaNet
 from .base import DraftContext, Drafter, Proposal, tree_proposal
 from .model import fit_vocab
-from .spec import TrainedKind
+from .spec import TrainedKind, TrainOption
 
 TOP_PER_HEAD = 4  # candidates per depth the tree may branch into
 
@@ -99,5 +99,7 @@ MEDUSA = TrainedKind(
     name="medusa", model_type="medusa", network=MedusaNet, load=load_medusa, training_config=trained.training_config,
     settings_of=trained.settings_of, trainer=trained.trainer, init_from_target=trained.init_from_target, trees=True,
     train_help="heads on the last hidden state", vllm=None,
+    options=(TrainOption("heads", 4, "heads (tokens guessed beyond the next one)"),
+             TrainOption("layers", 1, "residual blocks per head")),
     no_vllm="vLLM's Medusa format gives every head its own LM head and has no draft vocabulary; speculant's medusa "
             "folders share one: export ngram, suffix, dflash:DIR or eagle:DIR instead")

@@ -30,7 +30,7 @@ from ..trained.format import load_network
 from ..trained.mtp import MTPNet, _SlotCache, native_net
 from .base import DraftContext, Drafter, Proposal, seconds_since
 from .model import fit_vocab
-from .spec import Build, TrainedKind
+from .spec import Build, TrainedKind, TrainOption
 
 MAX_STEPS = 16  # the longest chain one proposal drafts
 
@@ -233,4 +233,5 @@ MTP = TrainedKind(
     name="mtp", model_type="mtp", network=MTPNet, load=load_mtp, training_config=trained.training_config,
     settings_of=trained.settings_of, trainer=trained.trainer, init_from_target=trained.init_from_target, vllm=_vllm,
     taps_optional=True, bare=own_mtp, draft_vocab=False,
-    train_help="a multi-token prediction layer drafting a chain (vLLM's and speculators' MTP)")
+    train_help="a multi-token prediction layer drafting a chain (vLLM's and speculators' MTP)",
+    options=(TrainOption("ttt_steps", 3, "training-time-test steps (the head fed its own output states)"),))

@@ -41,7 +41,7 @@ from .mtp import MTP
 from .peagle import PEAGLE
 from .ngram import NGRAM
 from .none import NONE
-from .spec import Build, DrafterKind, DrafterSpec, TrainedKind
+from .spec import Build, DrafterKind, DrafterSpec, TrainedKind, TrainOption
 from .suffix import SUFFIX
 
 HYBRID = "+ngram"
@@ -59,6 +59,22 @@ TRAINED_KINDS: tuple[TrainedKind, ...] = (
 )
 TRAINED = {k.name: k for k in TRAINED_KINDS}
 TRAINED_TYPES = {k.model_type: k for k in TRAINED_KINDS}  # by the speculators_model_type of a folder
+
+
+def _train_options() -> dict[str, list[tuple[str, TrainOption]]]:
+    """Every trained kind's own settings by name, each with the kinds declaring it: one
+    ``speculant train`` flag a name, so kinds that share a name must share its default and minimum."""
+    found: dict[str, list[tuple[str, TrainOption]]] = {}
+    for kind in TRAINED_KINDS:
+        for option in kind.options:
+            found.setdefault(option.name, []).append((kind.name, option))
+    for name, declared in found.items():
+        if len({(o.default, o.minimum) for _, o in declared}) > 1:
+            raise AssertionError(f"the trained kinds' option {name!r} has several defaults or minimums: {declared}")
+    return found
+
+
+TRAIN_OPTIONS = _train_options()
 
 
 def read_trained(folder: str | Path) -> tuple[TrainedKind, dict]:

@@ -35,22 +35,34 @@ class Build:
 
 
 @dataclass(frozen=True)
+class TrainOption:
+    """One setting that shapes or trains a trained kind: ``speculant train --NAME`` (kinds that
+    declare the same name share one flag and its default) and ``settings.NAME`` in its hooks."""
+
+    name: str  # the flag with dashes: block_size is --block-size
+    default: int
+    help: str  # what it is for this kind
+    minimum: int = 1
+    why: str = ""  # said after the minimum when a value is below it
+
+
+@dataclass(frozen=True)
 class TrainedKind:
     """A trained drafter kind: its folder's type, its network, how it loads as a drafter and how
     ``speculant train`` builds and trains it (its hooks, in trained/KIND.py, take the target as a
-    LoadedModel and the training settings)."""
+    LoadedModel and its settings: ``options``, each given or at its default)."""
 
     name: str  # --drafter NAME:DIR, speculant train --kind NAME
     model_type: str  # ``speculators_model_type`` in its config.json
     network: type  # the nn.Module its config builds
     load: Callable[[str, torch.nn.Module, str], Drafter]  # (folder, target module, target name) -> drafter
-    # (target, verifier name, settings, tapped layers, draft vocabulary size) -> the folder's config
+    # (target, verifier name, its options, tapped layers, draft vocabulary size) -> the folder's config
     training_config: Callable[..., dict]
-    # (network, target, settings) -> its trainer: loss (one cached sequence), loss_batch (padded sequences), evaluate
+    # (network, target, its options) -> its trainer: loss (one cached sequence), loss_batch (padded sequences), evaluate
     trainer: Callable[..., object]
     train_help: str  # what it is, for ``speculant train --kind``
     vllm: Callable[[str, dict, int | None], dict] | None  # (folder, config, fixed γ) -> vLLM's SpeculativeConfig
-    # a folder's config -> the training settings that shape it (to train it further in batches)
+    # a folder's config -> the options that shape it (to train it further in batches)
     settings_of: Callable[[dict], dict]
     # (network, target, draft ids' offsets d2t or None): weights that start as the target's
     init_from_target: Callable[..., None] | None = None
@@ -62,6 +74,7 @@ class TrainedKind:
     # why ``speculant train`` cannot train this kind (trained elsewhere, run here); "": it can
     train_refusal: str = ""
     draft_vocab: bool = True  # its LM head may cover a draft vocabulary (MTP's is the target's, whole)
+    options: tuple[TrainOption, ...] = ()  # its own settings (--layers, --heads, ...): the CLI's flags follow
 
 
 @dataclass(frozen=True)

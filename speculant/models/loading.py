@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import shutil
+import struct
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -168,12 +169,77 @@ def _dequantise_gguf(path: Path, folder: Path) -> None:
 _GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # value type -> bytes
 
 
+class _GGUFReader:
+    """Reads a GGUF file's header and tables in order from a memory map (struct.error past its end)."""
+
+    def __init__(self, m, size: int):
+        self.m, self.size, self.at = m, size, 0
+
+    def take(self, fmt: str):
+        out = struct.unpack_from("<" + fmt, self.m, self.at)
+        self.at += struct.calcsize("<" + fmt)
+        return out[0] if len(out) == 1 else out
+
+    def skip(self, n: int) -> None:
+        if n < 0 or self.at + n > self.size:
+            raise struct.error("past the end")
+        self.at += n
+
+    def string(self) -> bytes:
+        n = self.take("Q")
+        self.skip(n)
+        return bytes(self.m[self.at - n : self.at])
+
+    def value(self, kind: int):
+        """One metadata value: scalars and strings returned, arrays skipped (None)."""
+        if kind in _GGUF_SCALARS:
+            return self.take({1: "B", 2: "H", 4: "I", 8: "Q"}[_GGUF_SCALARS[kind]])
+        if kind == 8:
+            return self.string()
+        if kind == 9:
+            item, count = self.take("I"), self.take("Q")
+            if item in _GGUF_SCALARS:
+                self.skip(count * _GGUF_SCALARS[item])
+            elif count > (self.size - self.at) // 8:
+                raise struct.error("an array longer than the file")
+            else:
+                for _ in range(count):
+                    self.value(item)
+            return None
+        raise ValueError(f"unknown metadata type {kind}")
+
+
+def _gguf_data_span(r: _GGUFReader, bad, quant_sizes) -> tuple[int, list[int]]:
+    """(where the tensors' data starts, each tensor's end offset within it), from the header on."""
+    if r.take("4s") != b"GGUF":
+        raise bad("no GGUF header")
+    version, tensors, kvs = r.take("I"), r.take("Q"), r.take("Q")
+    if version not in (2, 3) or tensors > r.size // 24 or kvs > r.size // 12:
+        raise bad(f"a header of version {version}, {tensors} tensors, {kvs} metadata entries")
+    align = 32
+    for _ in range(kvs):
+        key, kind = r.string(), r.take("I")
+        v = r.value(kind)
+        if key == b"general.alignment" and isinstance(v, int) and v > 0:
+            align = v
+    ends = []
+    for _ in range(tensors):
+        r.string()
+        dims = [r.take("Q") for _ in range(r.take("I"))]
+        kind, offset = r.take("I"), r.take("Q")
+        block, nbytes = quant_sizes[kind]
+        count = 1
+        for d in dims:
+            count *= d
+        ends.append(offset + count // block * nbytes)
+    return -(-r.at // align) * align, ends
+
+
 def check_gguf(path: Path) -> None:
     """A GGUF file whole: its header, metadata and tensor table read, and every tensor's data inside
     the file (a truncated or damaged file is one line, not the struct error of the first read past
     its end). Reads the table only (milliseconds), not the weights."""
     import mmap
-    import struct
 
     size = path.stat().st_size
 
@@ -187,65 +253,7 @@ def check_gguf(path: Path) -> None:
         raise SpeculantError(f"loading {path.name} needs the gguf package: pip install gguf ({e})") from None
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            at = 0
-
-            def take(fmt: str):
-                nonlocal at
-                out = struct.unpack_from("<" + fmt, m, at)
-                at += struct.calcsize("<" + fmt)
-                return out[0] if len(out) == 1 else out
-
-            def skip(n: int) -> None:
-                nonlocal at
-                if n < 0 or at + n > size:
-                    raise struct.error("past the end")
-                at += n
-
-            def string() -> bytes:
-                n = take("Q")
-                skip(n)
-                return bytes(m[at - n : at])
-
-            def value(kind: int):
-                if kind in _GGUF_SCALARS:
-                    fmt = {1: "B", 2: "H", 4: "I", 8: "Q"}[_GGUF_SCALARS[kind]]
-                    return take(fmt)
-                if kind == 8:
-                    return string()
-                if kind == 9:
-                    item, count = take("I"), take("Q")
-                    if item in _GGUF_SCALARS:
-                        skip(count * _GGUF_SCALARS[item])
-                    elif count > (size - at) // 8:
-                        raise struct.error("an array longer than the file")
-                    else:
-                        for _ in range(count):
-                            value(item)
-                    return None
-                raise ValueError(f"unknown metadata type {kind}")
-
-            if take("4s") != b"GGUF":
-                raise bad("no GGUF header")
-            version, tensors, kvs = take("I"), take("Q"), take("Q")
-            if version not in (2, 3) or tensors > size // 24 or kvs > size // 12:
-                raise bad(f"a header of version {version}, {tensors} tensors, {kvs} metadata entries")
-            align = 32
-            for _ in range(kvs):
-                key, kind = string(), take("I")
-                v = value(kind)
-                if key == b"general.alignment" and isinstance(v, int) and v > 0:
-                    align = v
-            ends = []
-            for _ in range(tensors):
-                string()
-                dims = [take("Q") for _ in range(take("I"))]
-                kind, offset = take("I"), take("Q")
-                block, nbytes = GGML_QUANT_SIZES[kind]
-                count = 1
-                for d in dims:
-                    count *= d
-                ends.append(offset + count // block * nbytes)
-            start = -(-at // align) * align
+            start, ends = _gguf_data_span(_GGUFReader(m, size), bad, GGML_QUANT_SIZES)
     except SpeculantError:
         raise
     except (struct.error, ValueError, KeyError, OverflowError, OSError):

@@ -3,15 +3,15 @@
 `speculant train` (tools/train.py) builds a feature cache on disk and trains one sequence at a time:
 right for a 2-core CPU. On a GPU the target's forward is nearly free, so here the target's tapped
 states are computed on the fly for a batch of right-padded sequences per step (``tapped``, then the
-kind's ``loss_batch``), over text files (tools/texts.py). Sequence lengths are padded up to
-multiples of ``BUCKET``: every new shape cost ~0.4 s on an H100 (500 ms a step without buckets,
-~70 ms with them, batch 16). On a CPU with native bf16 matmuls (AMX) it trains under bf16 autocast
-at ~1,100 tokens/s (EAGLE, 2 cores, batch 8).
+kind's ``loss_batch``: ``TappedBatches``, the data of the one loop in tools/trainer.py), over text
+files (tools/texts.py). Sequence lengths are padded up to multiples of ``BUCKET``: every new shape
+cost ~0.4 s on an H100 (500 ms a step without buckets, ~70 ms with them, batch 16). On a CPU with
+native bf16 matmuls (AMX) it trains under bf16 autocast at ~1,100 tokens/s (EAGLE, 2 cores, batch 8).
 
 It continues a drafter folder (``config``: its kind and shape; ``init``: its weights, else the
-kind's fresh start) and writes the LM head apart from the rest (the GPU machine returns files of 16
-MiB at most); ``join`` makes one ``model.safetensors`` of them again. scripts/gpu_eagle.py is its
-command line.
+kind's fresh start), with checkpoints in ``work`` (``resume`` continues from there), and writes the
+folder at each evaluation. scripts/gpu_eagle.py is its command line (and what only a GPU run
+needs: a time budget, the weights in files small enough to come back).
 """
 from __future__ import annotations
 
@@ -23,23 +23,28 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Callable
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from ..drafters.registry import read_trained
 from ..models.loading import load_model
 from ..trained.data import Features
 from ..trained.format import default_taps, load_state, tapped_layers
 from .texts import load_texts
-from .train import TrainSettings, _network, adamw, bf16_state, draft_vocabulary, mixed_precision, set_lr
+from .train import kind_options, new_network
+from .trainer import LoopSettings, Run, adamw, bf16_state, draft_vocabulary, evaluate_held_out, mixed_precision, resume, train_loop
 
 BUCKET = 128  # sequence lengths are padded up to a multiple of this: few shapes (each new one ~0.4 s on a GPU)
 _log = functools.partial(print, flush=True)
 
 
 @dataclass
-class BatchedSettings:
+class BatchedSettings(LoopSettings):
+    """The batched mode's settings: the loop's (LoopSettings, some defaults of its own), the texts'
+    and the folder's."""
+
     data: list[str] = field(default_factory=list)  # text files (tools/texts.py)
     config: str = ""  # a drafter folder whose config to train (the shipped one)
     out: str = ""
@@ -48,15 +53,11 @@ class BatchedSettings:
     device: str = "cuda"
     dtype: str = "bfloat16"  # the target's
     epochs: float = 8
-    steps: int | None = None  # exactly this many steps (else epochs, cut to fit minutes)
-    minutes: float | None = None
     batch: int = 32
-    lr: float = 1e-3
     warmup: int = 100
     seq_len: int = 1152
     held_out: int = 64
-    eval_every: int = 500
-    seed: int = 0
+    eval_every: int = 500  # and a checkpoint each time, where ``work`` is given
 
 
 def batches(texts: list, batch: int, rng: random.Random) -> list[list[int]]:
@@ -99,107 +100,112 @@ def tapped_features(model, taps: list[int], texts: list, seq_len: int, device) -
     return out
 
 
-def run_batched(s: BatchedSettings, log=_log) -> dict:
+class TappedBatches:
+    """The loop's data in the batched mode: a batch of texts of similar length a step, the target's
+    states computed for it on the fly; a batch with no loss takes no step."""
+
+    def __init__(self, model, taps: list[int], texts: list, s: BatchedSettings):
+        self.model, self.taps, self.texts, self.s = model, taps, texts, s
+
+    def epoch(self, rng: random.Random) -> list[list[int]]:
+        return batches(self.texts, self.s.batch, rng)
+
+    def backward(self, trainer, idx: list[int], rng: random.Random) -> tuple[list[float], int] | None:
+        s = self.s
+        batch = tapped(self.model, self.taps, self.texts, idx, s.seq_len, s.device)
+        with mixed_precision(s.device, s.dtype):
+            loss, n = trainer.loss_batch(*batch, rng=rng)
+        if loss is None:
+            return None
+        loss.backward()
+        return [float(loss.detach())], n
+
+
+def write_weights(out: Path, state: dict[str, torch.Tensor]) -> None:
+    """The folder's weights, one model.safetensors (``run_batched``'s ``write`` may split them)."""
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
+
+
+def run_batched(s: BatchedSettings, log=_log, on_step: Callable[[Run], None] | None = None,
+                write: Callable[[Path, dict], None] = write_weights) -> dict:
     """Train the drafter of folder ``s.config`` on the texts ``s.data`` in batches; write ``s.out``
-    (rest.safetensors + lm_head.safetensors: ``join`` them; config.json; gpu_training.json with the
-    loss curve and the held-out evaluations, the shipped folder's among them). Returns that log."""
+    (the weights through ``write``, config.json, gpu_training.json with the loss curve and the
+    held-out evaluations, the shipped folder's among them) at each evaluation. ``on_step(run)``
+    follows each step (it may lower ``run.total``). Returns that log."""
     t0 = time.time()
     torch.manual_seed(s.seed)
     rng = random.Random(s.seed)
     target = load_model(s.target, device=s.device, dtype=s.dtype)
-    model = target.model
-    model.requires_grad_(False)
+    target.model.requires_grad_(False)
     kind, shipped = read_trained(s.config)
-    taps = tapped_layers(shipped) or default_taps(model.config.num_hidden_layers)
+    taps = tapped_layers(shipped) or default_taps(target.model.config.num_hidden_layers)
     texts = [t for f in s.data for t in load_texts(f) if len(t[0]) - t[1] >= 2]
     rng.shuffle(texts)
     held, trainset = texts[: s.held_out], texts[s.held_out :]
-    vocab = int(model.get_output_embeddings().weight.shape[0])
-    draft_size = shipped.get("draft_vocab_size") or vocab
-    answers = [SimpleNamespace(labels=t[0][1:].long(), loss_from=t[1]) for t in trainset]
-    d2t, t2d = draft_vocabulary(answers, draft_size, vocab)
-    settings = TrainSettings(kind=kind.name, target=s.target, **kind.settings_of(shipped))
-    cfg, net, trainer = _network(settings, target, taps, draft_size, d2t, t2d)
-    if s.init:  # continue a trained drafter (its draft vocabulary too)
-        net.load_state_dict({k: v.to(s.device) for k, v in load_state(s.init).items()}, strict=False)
-        # the trainer's LM-head rows follow the draft vocabulary, which the loaded weights replaced
-        trainer = kind.trainer(net, target, settings)
-    net.float()
-    opt = adamw(net.parameters(), s.lr)
-    total, step, curve, log_ = s.steps or int(s.epochs * math.ceil(len(trainset) / s.batch)), 0, [], {"evals": []}
-    held_f = tapped_features(model, taps, held, s.seq_len, s.device)
-
-    def evaluate(net_, trainer_) -> dict:
-        net_.eval()
-        with mixed_precision(s.device, s.dtype):
-            m = trainer_.evaluate(held_f, random.Random(1))
-        net_.train()
-        return m
-
-    # the shipped drafter on the same held-out text, for comparison
-    ref = kind.network(shipped).to(s.device)
-    ref.load_state_dict({k: v.float() for k, v in load_state(s.config).items()}, strict=False)
-    log_["shipped_held_out"] = evaluate(ref, kind.trainer(ref, target, settings))
+    run = _batched_run(s, kind, shipped, target, taps, trainset)
+    held_f = tapped_features(target.model, taps, held, s.seq_len, s.device)
+    log_ = {"evals": [], "shipped_held_out": _shipped_held_out(s, kind, shipped, target, held_f)}
     log(f"shipped head, held out: {log_['shipped_held_out']}")
-    del ref
     out = Path(s.out)
     out.mkdir(parents=True, exist_ok=True)
+    sizes = dict(train_sequences=len(trainset), held_out_sequences=len(held),
+                 train_tokens=sum(len(x) for x, _ in trainset))
+    save = functools.partial(_write_folder, s, run, out, log_, write, sizes, t0)
+    evaluate = functools.partial(evaluate_held_out, run.net, run.trainer, held_f, s.device, s.dtype)
 
-    def save(metrics):
-        state = bf16_state(net)
-        head = {k: state.pop(k).contiguous() for k in ["lm_head.weight"] if k in state}
-        save_file(head, str(out / "lm_head.safetensors"))  # apart: files come back from a GPU machine 16 MiB at most
-        save_file({k: v.contiguous() for k, v in state.items()}, str(out / "rest.safetensors"))
-        (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        log_.update(steps=step, total_steps=total, train_sequences=len(trainset), held_out_sequences=len(held),
-                    train_tokens=sum(len(x) for x, _ in trainset), seconds=round(time.time() - t0, 1),
-                    settings=asdict(s), loss_curve=curve, held_out=metrics)
-        (out / "gpu_training.json").write_text(json.dumps(log_, indent=1) + "\n")
+    def on_eval(run: Run, m: dict, info: str) -> str:
+        log_["evals"].append({"step": run.step, "seconds": round(time.time() - run.started), **m})
+        log(f"step {run.step}/{run.total} loss {run.curve[-1]:.3f} held-out τ {m['tau']:.3f} α {m['alpha_by_slot']} "
+            f"{time.time() - run.started:.0f}s")
+        save(m)
+        return info
 
-    t_train, budget = time.time(), (s.minutes or 0) * 60
-    while step < total:
-        for idx in batches(trainset, s.batch, rng):
-            if step >= total:
-                break
-            set_lr(opt, s.lr, step, s.warmup, total)
-            batch = tapped(model, taps, trainset, idx, s.seq_len, s.device)
-            with mixed_precision(s.device, s.dtype):
-                loss, _ = trainer.loss_batch(*batch, rng=rng)
-            if loss is None:
-                continue
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-            opt.step()
-            step += 1
-            curve.append(round(float(loss.detach()), 4))
-            if step == 15:
-                t15 = time.time()
-            if step == 45 and s.minutes and not s.steps:  # fit the schedule into the time budget
-                per_step = (time.time() - t15) / 30
-                fits = step + int((budget - (time.time() - t_train)) / per_step)
-                if fits < total:
-                    log(f"{per_step * 1000:.0f} ms/step: {total} steps do not fit {s.minutes} min; {fits}")
-                    total = fits
-            if step % s.eval_every == 0 or step == total:
-                m = evaluate(net, trainer)
-                log_["evals"].append({"step": step, "seconds": round(time.time() - t_train), **m})
-                log(f"step {step}/{total} loss {curve[-1]:.3f} held-out τ {m['tau']:.3f} α {m['alpha_by_slot']} "
-                    f"{time.time() - t_train:.0f}s")
-                save(m)
-    m = evaluate(net, trainer)
+    if s.resume:
+        resume(run, kind.name, log)
+    run.started = time.time()
+    train_loop(run, TappedBatches(target.model, taps, trainset, s), rng, lr=s.lr, warmup=s.warmup,
+               every=s.eval_every, evaluate=evaluate, on_eval=on_eval, on_step=on_step)
+    m = evaluate()
     save(m)
-    log(f"done: {step} steps, held-out τ {m['tau']:.3f} (shipped {log_['shipped_held_out']['tau']:.3f}) "
+    log(f"done: {run.step} steps, held-out τ {m['tau']:.3f} (shipped {log_['shipped_held_out']['tau']:.3f}) "
         f"in {time.time() - t0:.0f}s")
     return log_
 
 
-def join(out) -> int:
-    """``run_batched`` writes the LM head apart: one ``model.safetensors`` again, a drafter folder
-    ``--drafter trained:DIR`` loads. Returns the number of tensors."""
-    out = Path(out)
-    state = load_file(str(out / "rest.safetensors")) | load_file(str(out / "lm_head.safetensors"))
-    save_file({k: state[k].contiguous() for k in sorted(state)}, str(out / "model.safetensors"))
-    for part in ("rest", "lm_head"):
-        (out / f"{part}.safetensors").unlink()
-    return len(state)
+def _batched_run(s: BatchedSettings, kind, shipped: dict, target, taps: list[int], trainset: list) -> Run:
+    """The network of the folder's kind and shape, over the draft vocabulary of the training
+    answers, or continued from ``s.init`` (its draft vocabulary too)."""
+    vocab = int(target.model.get_output_embeddings().weight.shape[0])
+    draft_size = shipped.get("draft_vocab_size") or vocab
+    answers = [SimpleNamespace(labels=t[0][1:].long(), loss_from=t[1]) for t in trainset]
+    d2t, t2d = draft_vocabulary(answers, draft_size, vocab)
+    options = kind_options(kind, kind.settings_of(shipped))
+    cfg, net, trainer = new_network(kind, s.target, options, target, taps, draft_size, d2t, t2d)
+    if s.init:  # continue a trained drafter (its draft vocabulary too)
+        net.load_state_dict({k: v.to(s.device) for k, v in load_state(s.init).items()}, strict=False)
+        # the trainer's LM-head rows follow the draft vocabulary, which the loaded weights replaced
+        trainer = kind.trainer(net, target, options)
+    net.float()
+    total = s.steps or int(s.epochs * math.ceil(len(trainset) / s.batch))
+    checkpoint = Path(s.work) / f"checkpoint-{kind.name}.pt" if s.work else None
+    if checkpoint is not None:
+        checkpoint.parent.mkdir(parents=True, exist_ok=True)
+    return Run(net, trainer, adamw([p for p in net.parameters() if p.requires_grad], s.lr), cfg, total, checkpoint)
+
+
+def _shipped_held_out(s: BatchedSettings, kind, shipped: dict, target, held_f: list) -> dict:
+    """The shipped drafter on the same held-out text, for comparison."""
+    ref = kind.network(shipped).to(s.device)
+    ref.load_state_dict({k: v.float() for k, v in load_state(s.config).items()}, strict=False)
+    return evaluate_held_out(ref, kind.trainer(ref, target, kind_options(kind, kind.settings_of(shipped))), held_f,
+                             s.device, s.dtype)
+
+
+def _write_folder(s: BatchedSettings, run: Run, out: Path, log_: dict, write, sizes: dict, t0: float,
+                  metrics: dict) -> None:
+    """The folder as it stands: weights (bfloat16), config.json, gpu_training.json."""
+    write(out, bf16_state(run.net))
+    (out / "config.json").write_text(json.dumps(run.cfg, indent=2) + "\n")
+    log_.update(steps=run.step, total_steps=run.total, **sizes, seconds=round(time.time() - t0, 1),
+                settings=asdict(s), loss_curve=run.curve, held_out=metrics)
+    (out / "gpu_training.json").write_text(json.dumps(log_, indent=1) + "\n")

@@ -199,7 +199,7 @@ class DFlashTrainer:
 
 
 def settings_of(cfg: dict) -> dict:
-    """The training settings a network's config was made with (to train it further: tools/train_batched.py)."""
+    """The options a network's config was made with (to train it further in batches)."""
     return {"layers": cfg["transformer_layer_config"]["num_hidden_layers"], "block_size": int(cfg["block_size"])}
 
 

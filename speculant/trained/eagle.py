@@ -232,7 +232,7 @@ class EagleTrainer:
 
 
 def settings_of(cfg: dict) -> dict:
-    """The training settings a head's config was made with (to train it further: tools/train_batched.py)."""
+    """The options a head's config was made with (to train it further in batches)."""
     return {"ttt_steps": cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"],
             "layers": cfg["transformer_layer_config"]["num_hidden_layers"]}
 

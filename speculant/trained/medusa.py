@@ -141,7 +141,7 @@ class MedusaTrainer:
 
 
 def settings_of(cfg: dict) -> dict:
-    """The training settings the heads' config was made with (to train them further: tools/train_batched.py)."""
+    """The options the heads' config was made with (to train them further in batches)."""
     return {"heads": int(cfg["num_heads"]), "layers": int(cfg.get("num_hidden_layers", 1))}
 
 

@@ -441,7 +441,7 @@ class MTPTrainer:
 
 
 def settings_of(cfg: dict) -> dict:
-    """The training settings a folder's config was made with (to train it further in batches)."""
+    """The options a folder's config was made with (to train it further in batches)."""
     return {"ttt_steps": cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"]}
 
 
