@@ -38,6 +38,7 @@ from typing import Callable, Sequence
 import torch
 
 from .drafters.base import Proposal
+from .rows import PerRow
 from .tree import depths, tree_depth
 
 
@@ -270,10 +271,9 @@ def kept_scores(prop: Proposal) -> list[list[float]]:
     return [row[1 : int(k) + 1] for row, k in zip(by_depth.tolist(), tree_depth(prop.parents, prop.lengths).tolist())]
 
 
-class FixedGamma:
-    """A fixed γ: every row drafts γ tokens (or a tree of γ nodes) a pass, within the room left."""
-
-    joins = True
+class FixedGamma(PerRow):
+    """A fixed γ: every row drafts γ tokens (or a tree of γ nodes) a pass, within the room left
+    (nothing per row)."""
 
     def __init__(self, gamma: int, costs: CostModel, per_pass: bool = False):
         self.gamma, self.cost_model, self.per_pass = gamma, costs, per_pass
@@ -291,14 +291,9 @@ class FixedGamma:
         self.cost_model.observe_pass(max(caps, default=0), len(lens) * width, draft_seconds, verify_seconds,
                                      self.per_pass, batch=len(lens))
 
-    def select(self, keep: list[int]) -> None:
-        pass
-
-    def join(self, other: "FixedGamma") -> None:
-        pass
 
 
-class GammaController:
+class GammaController(PerRow):
     """Chooses γ (or, for a drafter of token trees, the nodes per pass) each pass of one request and
     learns from what the pass did. ``trees``: the drafter proposes token trees; ``per_pass``: its
     cost does not grow with the draft's length (a tree, a block drafter)."""
@@ -355,19 +350,8 @@ class GammaController:
     def verify(self) -> VerifyTimes:
         return self.cost_model.verify
 
-    # per-row state, in batch-slot order
-    ROWS = ("alphas", "calibration", "off_for", "wait", "on", "judged", "tree_tokens")
-    joins = True
-
-    def select(self, keep: list[int]) -> None:
-        """Only these batch slots go on."""
-        for name in self.ROWS:
-            setattr(self, name, [getattr(self, name)[i] for i in keep])
-
-    def join(self, other: "GammaController") -> None:
-        """``other``'s rows join, each with what it has learnt so far."""
-        for name in self.ROWS:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+    # per-row state, in batch-slot order (rows that join bring what they have learnt so far)
+    row_fields = ("alphas", "calibration", "off_for", "wait", "on", "judged", "tree_tokens")
 
     def costs(self, batch: int) -> StaticCosts:
         return self.cost_model.for_batch(batch)
