@@ -13,7 +13,7 @@ from typing import Iterator
 
 import torch
 
-from .controller import CostModel, FixedGamma, GammaController
+from .controller import ChainGamma, CostModel, FixedGamma, Plan, TreeGamma
 from .drafters.base import DraftContext, Drafter, Proposal, sync
 from .drafters.model import left_pad
 from .errors import SpeculantError
@@ -144,7 +144,7 @@ class Request:
     """One batch to generate: its rows, and what they all share (γ, and the batch's stream)."""
 
     rows: list[RowRequest]
-    gamma: int | str  # "auto": chosen each pass by a GammaController
+    gamma: int | str  # "auto": chosen each pass by a ChainGamma or TreeGamma
     gamma_max: int | None = None  # the most "auto" may draft per pass (None: by drafter, see Engine._gamma_max)
     seed: int | None = None  # seeds the batch's stream (drafters, unseeded rows); None: a random one
 
@@ -206,12 +206,12 @@ class Engine:
             return
         self._catch_up(b)
         t0 = time.perf_counter()
-        prop, caps = self._draft(b, self._room(b) - 1)
+        prop, plan = self._draft(b, self._room(b) - 1)
         sync(self.device)
         t1 = time.perf_counter()
         self._verify(b, prop)
         sync(self.device)
-        self._account(b, prop, caps, t1 - t0, time.perf_counter() - t1)
+        self._account(b, prop, plan, t1 - t0, time.perf_counter() - t1)
 
     def start(self, req: Request) -> "Batch":
         """Prefill a request's rows: the prompt through the target, whose last position is judged
@@ -242,7 +242,8 @@ class Engine:
         rows = [Row(list(r.prompt), r.max_new_tokens, r.stop, r.cancelled, t0=t0,
                     logprobs=None if r.logprobs is None else [], stats=Stats(**stats)) for r in req.rows]
         per_pass = drafter.block_drafts or drafter.makes_trees  # a pass's drafting cost does not grow with γ
-        control = (GammaController(n, most, costs=self.costs, trees=drafter.makes_trees, per_pass=per_pass)
+        auto = TreeGamma if drafter.makes_trees else ChainGamma
+        control = (auto(n, most, costs=self.costs, per_pass=per_pass)
                    if req.gamma == "auto" else FixedGamma(req.gamma, self.costs, per_pass))
         tokens, valid = left_pad(req.prompts, dev)
         history = TokenHistory(req.prompts, self.vocab_size, dev, proc) if proc.uses_context else None
@@ -370,16 +371,19 @@ class Engine:
         return min(min(b.rows[r].limit - len(b.rows[r].tokens) for r in b.active),
                    self.context_length - int(b.state.lengths().max()) - 1)
 
-    def _draft(self, b: "Batch", room: int) -> tuple[Proposal, list[int]]:
-        """Propose within ``room`` draft tokens: the budget the γ control chooses (a chain's γ, or a
-        tree's whole budget), then each row's cap (its γ, or the tree nodes worth verifying).
-        Returns the capped proposal and the caps."""
+    def _draft(self, b: "Batch", room: int) -> tuple[Proposal, Plan]:
+        """Propose within ``room`` draft tokens: the γ control asks the drafter for a budget (a
+        chain's γ, or a tree's whole budget) and caps each row (its γ, or the tree nodes worth
+        verifying). Returns the capped proposal and the control's plan."""
         batch = len(b.slots)
-        budget = b.control.budget(room)
-        prop = b.drafter.propose(budget) if budget > 0 else self._empty(batch)
-        check_proposal(prop, batch, budget, self.vocab_size, self.device)
-        caps = b.control.caps(prop, budget)
-        return _cap(prop, caps, lambda width: b.state.block_width(width, room)), caps
+
+        def propose(budget: int) -> Proposal:
+            prop = b.drafter.propose(budget) if budget > 0 else self._empty(batch)
+            check_proposal(prop, batch, budget, self.vocab_size, self.device)
+            return prop
+
+        plan = b.control.plan(room, propose)
+        return _cap(plan.prop, plan.caps, lambda width: b.state.block_width(width, room)), plan
 
     def _verify(self, b: "Batch", prop: Proposal) -> None:
         """Score [pending token + drafts] in ONE target pass, accept, and keep exactly the accepted
@@ -430,13 +434,14 @@ class Engine:
             slot.logprobs = entries[i] if entries is not None else None
             slot.fed = fed[i] if fed is not None else None
 
-    def _account(self, b: "Batch", prop: Proposal, caps: list[int], draft_seconds: float,
+    def _account(self, b: "Batch", prop: Proposal, plan: Plan, draft_seconds: float,
                  verify_seconds: float) -> None:
         """Per-row counters, and what the pass teaches the γ control (acceptance, costs)."""
         accepted = [s.accepted for s in b.slots]
+        caps = plan.caps
         drafted = max(caps, default=0) > 0
         draft_cost = draft_seconds - (b.drafter.catchup_seconds if drafted else 0.0)
-        b.control.learn(prop, caps, accepted, draft_cost, verify_seconds)
+        b.control.learn(prop, plan, accepted, draft_cost, verify_seconds)
         lens = prop.lengths.tolist()
         # judged positions per row: a chain's length, a tree's depth
         depth = lens if prop.parents is None else tree_depth(prop.parents, prop.lengths).tolist()
@@ -510,7 +515,7 @@ class Batch(PerRow):
     drafter: Drafter
     history: TokenHistory | None
     seeded: SeededRows  # which rows are seeded, and where each stands
-    control: FixedGamma | GammaController
+    control: FixedGamma | ChainGamma | TreeGamma
     taps: tuple
     pending: torch.Tensor | None = None  # [B] each row's next token, not yet in the target's cache
     path: torch.Tensor | None = None  # a tree pass's accepted path
