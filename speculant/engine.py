@@ -313,7 +313,6 @@ class Engine:
     def _emit(self, b: "Batch"):
         """Append each row's new tokens, ending rows at EOS / stop / max_new_tokens / context /
         cancel; the rows that end leave the batch."""
-        self.state, self.slots = b.state, b.active  # for inspection (tests of the rollback invariant)
         keep = []
         for i, slot in enumerate(b.slots):
             row = b.rows[slot.row]
@@ -529,10 +528,9 @@ class Batch(PerRow):
         """The running rows (indices into ``rows``), in slot order."""
         return [s.row for s in self.slots]
 
-    def parts(self, other: "Batch | None" = None) -> list:
-        """The batch's components with per-row data (with ``other``'s counterparts)."""
-        names = [k for k in self.row_fields if isinstance(getattr(self, k), PerRow)]
-        return [(getattr(self, k), getattr(other, k) if other is not None else None) for k in names]
+    def parts(self) -> list[PerRow]:
+        """The batch's components with per-row data of their own."""
+        return [part for part in (getattr(self, k) for k in self.row_fields) if isinstance(part, PerRow)]
 
     def shrink(self, keep: list[int]) -> None:
         """Only these slots go on (the other rows finished)."""
@@ -542,7 +540,7 @@ class Batch(PerRow):
     def accepts_rows(self) -> bool:
         """Rows of another batch may join: its parts know how to join. (A seeded row's text does not
         depend on what else runs: see SeededRows.)"""
-        return not self.done and all(part.joins for part, _ in self.parts())
+        return not self.done and all(part.joins for part in self.parts())
 
     def can_join(self, other: "Batch") -> bool:
         """Whether ``other``'s rows may join this batch: both accept rows, the same γ setting, the
