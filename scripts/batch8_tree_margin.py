@@ -7,7 +7,7 @@ import sys, time, json
 import torch, speculant
 from speculant.bench.machine import machine_info
 from pathlib import Path
-from speculant.controller import GammaController
+from speculant.controller import TreeGamma
 dtype = sys.argv[1]; margins = [float(x) for x in sys.argv[2].split(",")]; bs = int(sys.argv[3]) if len(sys.argv) > 3 else 8
 rows = [json.loads(l) for l in open(Path(speculant.__file__).parent / "bench" / "prompts" / "default.jsonl")]
 cats = {}
@@ -23,7 +23,7 @@ for rep in range(2):
         batch = prompts[i:i + bs]
         order = methods[(i // bs + rep) % len(methods):] + methods[:(i // bs + rep) % len(methods)]
         for name, g, m in order:
-            if m is not None: GammaController.TREE_MARGIN = m
+            if m is not None: TreeGamma.TREE_MARGIN = m
             t = time.perf_counter(); outs = g.generate(batch, max_new_tokens=64); el = time.perf_counter() - t
             a = acc[name]; a[0] += sum(o.stats["new_tokens"] for o in outs); a[1] += el; a[2] += sum(o.stats["target_forward_passes"] for o in outs)
 for name, (n, sec, passes) in acc.items():

@@ -3,6 +3,7 @@
 (it measures ``--dtype auto`` with a Generator, from the layer above this one)."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
@@ -12,12 +13,12 @@ import torch
 from .drafters import Drafter, ModelDrafter, make_drafter
 from .drafters.model import MODEL
 from .drafters.registry import kind_of
-from .engine import Batch, Engine, Request, Row
+from .engine import Batch, Engine, Request, Row, RowRequest
 from .errors import SpeculantError
 from .limits import MAX_GAMMA, MAX_LOGPROBS, MEMORY_SHARE, check_int, check_stop, check_text, gib
 from .models.backend import Backend
 from .models.loading import LoadedModel
-from .sampling import SamplingParams
+from .sampling import SamplingParams, row_seed
 
 GAMMA_AUTO = "auto"  # the default: chosen each pass from measured acceptance and costs (controller.py)
 
@@ -96,6 +97,20 @@ def _stop_checker(tokenizer, stop: Sequence[str] | None) -> Callable | None:
         return len(tokens)
 
     return check
+
+
+def _rows_request(prompt_ids: list[list[int]], gamma, seed, cancelled, **settings) -> Request:
+    """The engine's Request, each row's settings resolved once, here: ``settings`` values are one
+    for every row or a list of one per row; a request's seed s gives row r the seed row_seed(s, r),
+    a list of seeds is used as given; ``cancelled(row)`` becomes each row's own."""
+    n = len(prompt_ids)
+    columns = [list(v) if isinstance(v, list) else [v] * n for v in settings.values()]
+    by_row = [dict(zip(settings, values)) for values in zip(*columns)]
+    seeds = seed if isinstance(seed, list) else [seed if seed is None else row_seed(seed, r) for r in range(n)]
+    rows = [RowRequest(list(p), seed=None if s["params"].greedy else row_s,
+                       cancelled=None if cancelled is None else functools.partial(cancelled, r), **s)
+            for r, (p, s, row_s) in enumerate(zip(prompt_ids, by_row, seeds))]
+    return Request(rows, gamma, seed=seed if isinstance(seed, int) else None)
 
 
 def _per_row(stop) -> bool:
@@ -184,8 +199,10 @@ class Generator:
         self.check_memory(len(prompt_ids), max(map(len, prompt_ids)), max(max_new_tokens) if isinstance(
             max_new_tokens, list) else max_new_tokens, g)
         stop = check_stops(stop)
-        checks = [_stop_checker(self.tokenizer, x) for x in stop] if _per_row(stop) else _stop_checker(self.tokenizer, stop)
-        return Request(prompt_ids, params, max_new_tokens, g, seed, checks, logprobs, cancelled=cancelled)
+        checks = ([_stop_checker(self.tokenizer, x) for x in stop] if _per_row(stop)
+                  else [_stop_checker(self.tokenizer, stop)] * len(prompt_ids))
+        return _rows_request(prompt_ids, g, params=params, max_new_tokens=max_new_tokens, seed=seed, stop=checks,
+                             logprobs=logprobs, cancelled=cancelled)
 
     def check_gamma(self, gamma) -> int | str:
         """A γ setting this generator's drafter can use: "auto", or 1 up to what one proposal holds."""

@@ -5,7 +5,7 @@ A pass that drafts γ tokens and verifies a block of k = γ + 1 yields on averag
 and costs t_draft(γ) + t_verify(k). ``choose_gamma`` maximises τ / cost; γ = 0 is plain decoding
 (cost t_verify(1), one token), so speculation is switched off exactly when it would not pay.
 
-``GammaController`` feeds that decision with running estimates. Per request row: α per draft
+``ChainGamma`` feeds that decision with running estimates. Per request row: α per draft
 position (a Beta prior, discounted so it follows the text). Per engine, kept across requests
 (``CostModel``): the drafter's seconds per draft token and the target's seconds per verify pass as
 a function of the tokens it processes (batch × k), interpolated between measured widths. Verify
@@ -20,14 +20,16 @@ least ``retry_every`` passes, doubling while retries fail: retries stay within ~
 
 Token trees (EAGLE, Medusa, merged with lookup) are paid for before they are seen, so their
 drafting is judged on measured yields: tokens per tree pass against plain passes, drafting
-included (``tree_budget``), with a 10% margin. Each pass then keeps the nodes worth verifying, by
-the drafter's scores calibrated per row and depth (``choose_tree``); a row already drafting
-verifies at least its best node, so one pessimistic estimate does not switch it off.
+included (``TreeGamma.tree_budget``), with a 10% margin. Each pass then keeps the nodes worth
+verifying, by the drafter's scores calibrated per row and depth (``choose_tree``); a row already
+drafting verifies at least its best node, so one pessimistic estimate does not switch it off.
 
 The engine sees one interface for chains and trees alike (a chain is a tree of width one):
-``budget(room)`` the draft tokens or nodes to ask the drafter for, ``caps(proposal, budget)`` each
-row's share of them to verify, ``learn(proposal, caps, accepted, ...)`` what the pass did.
-``FixedGamma`` serves a fixed γ the same way; its passes still teach the engine's costs.
+``plan(room, propose)`` asks the drafter (``propose(budget)``) for the draft tokens or nodes worth
+it and returns a ``Plan`` (the proposal, each row's share of it to verify, whether the pass is a
+retry); ``learn(proposal, plan, accepted, ...)`` what the pass did. Nothing chosen in one call is
+kept for the next: the Plan carries it. ``FixedGamma`` serves a fixed γ the same way; its passes
+still teach the engine's costs.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from typing import Callable, Sequence
 import torch
 
 from .drafters.base import Proposal
+from .rows import PerRow
 from .tree import depths, tree_depth
 
 
@@ -270,83 +273,60 @@ def kept_scores(prop: Proposal) -> list[list[float]]:
     return [row[1 : int(k) + 1] for row, k in zip(by_depth.tolist(), tree_depth(prop.parents, prop.lengths).tolist())]
 
 
-class FixedGamma:
-    """A fixed γ: every row drafts γ tokens (or a tree of γ nodes) a pass, within the room left."""
+@dataclass
+class Plan:
+    """One pass's drafting as the γ control chose it: the drafter's proposal, each row's cap (its
+    γ, or the tree nodes worth verifying), and whether the pass only re-tries rows that were off
+    (what it costs beyond a plain pass sets how long the next retry waits). ``learn`` reads it back:
+    nothing is kept between the calls."""
 
-    joins = True
+    prop: Proposal
+    caps: list[int]
+    retry: bool = False
+
+
+class FixedGamma(PerRow):
+    """A fixed γ: every row drafts γ tokens (or a tree of γ nodes) a pass, within the room left
+    (nothing per row)."""
 
     def __init__(self, gamma: int, costs: CostModel, per_pass: bool = False):
         self.gamma, self.cost_model, self.per_pass = gamma, costs, per_pass
 
-    def budget(self, room: int) -> int:
-        return max(0, min(self.gamma, room))
+    def plan(self, room: int, propose: Callable[[int], Proposal]) -> Plan:
+        budget = max(0, min(self.gamma, room))
+        prop = propose(budget)
+        return Plan(prop, [budget] * len(prop.lengths))
 
-    def caps(self, prop: Proposal, budget: int) -> list[int]:
-        return [budget] * len(prop.lengths)
-
-    def learn(self, prop: Proposal, caps: list[int], accepted: list[int], draft_seconds: float,
+    def learn(self, prop: Proposal, plan: Plan, accepted: list[int], draft_seconds: float,
               verify_seconds: float) -> None:
         """Fixed-γ passes teach the engine's costs too (a later "auto" request starts from them)."""
         lens, width = _width(prop)
-        self.cost_model.observe_pass(max(caps, default=0), len(lens) * width, draft_seconds, verify_seconds,
+        self.cost_model.observe_pass(max(plan.caps, default=0), len(lens) * width, draft_seconds, verify_seconds,
                                      self.per_pass, batch=len(lens))
 
-    def select(self, keep: list[int]) -> None:
-        pass
 
-    def join(self, other: "FixedGamma") -> None:
-        pass
-
-
-class GammaController:
-    """Chooses γ (or, for a drafter of token trees, the nodes per pass) each pass of one request and
-    learns from what the pass did. ``trees``: the drafter proposes token trees; ``per_pass``: its
-    cost does not grow with the draft's length (a tree, a block drafter)."""
+class AutoGamma(PerRow):
+    """What the chain and tree policies of ``gamma="auto"`` share: which rows draft (``on``), how
+    long a row that is off waits for a retry, the engine's costs, and the passes that verified no
+    draft. ``per_pass``: the drafter's cost does not grow with the draft's length (a tree, a block
+    drafter)."""
 
     RETRY_BUDGET = 32  # wait at least this many times a failed retry's extra cost (in passes)
+    # per-row state, in batch-slot order (rows that join bring what they have learnt so far)
+    row_fields = ("off_for", "wait", "on")
 
     def __init__(self, rows: int, gamma_max: int = 8, retry_every: int = 16, costs: CostModel | None = None,
-                 trees: bool = False, per_pass: bool = False):
-        self.trees, self.per_pass = trees, per_pass
-        self.chosen_caps: list[int] = []  # a chain's per-row caps, chosen with its γ (budget)
-        self.gamma_max, self.retry_every = gamma_max, retry_every
-        self.alphas = [RowAlpha() for _ in range(rows)]
-        self.calibration = [RowCalibration() for _ in range(rows)]
+                 per_pass: bool = False):
+        self.per_pass, self.gamma_max, self.retry_every = per_pass, gamma_max, retry_every
         self.cost_model = costs if costs is not None else CostModel()
         self.off_for = [0] * rows  # passes each row has gone without drafting
         self.wait = [self._first_wait()] * rows  # passes until a row that is off is re-tried
         self.on = [True] * rows
-        self.judged = [False] * rows  # a tree drafter's rows: whether the prior has been weighed
-        self.tree_tokens: list[float | None] = [None] * rows  # tokens per tree pass, a running mean
-        self.tree_width: float | None = None  # block width of tree passes, a running mean
-        self.widest_tree: int | None = None  # the most nodes a proposal has held (a head may never fill the budget)
-        self.retrying = False  # the pass being chosen/observed is a retry of rows that are off
         self.gammas_used: list[int] = []
 
-    # ---- the engine's interface (chains and trees alike) ----
-    def budget(self, room: int) -> int:
-        """Draft tokens (a chain) or nodes (a tree) to ask the drafter for this pass, within ``room``."""
-        if self.trees:
-            return self.tree_budget(room)
-        gamma, self.chosen_caps = self.choose(room)
-        return gamma
-
-    def caps(self, prop: Proposal, budget: int) -> list[int]:
-        """Per row, how many of the proposal's drafts (a tree: its best nodes) to verify."""
-        if not self.trees:
-            return self.chosen_caps
-        if prop.parents is None:
-            return [budget] * len(prop.lengths)
-        return self.choose_tree(prop.scores, depths(prop.parents), prop.lengths, budget)
-
-    def learn(self, prop: Proposal, caps: list[int], accepted: list[int], draft_seconds: float,
-              verify_seconds: float) -> None:
-        """What the pass did (``prop`` as verified: capped), for the estimates and the costs."""
-        lens, width = _width(prop)
-        if prop.parents is not None:
-            self.observe_tree(width, lens, accepted, kept_scores(prop), draft_seconds, verify_seconds)
-        else:
-            self.observe(max(caps, default=0), width, lens, accepted, draft_seconds, verify_seconds, self.per_pass)
+    @property
+    def rows(self) -> int:
+        return len(self.on)
 
     def _first_wait(self) -> int:
         return max(self.retry_every, math.ceil(self.RETRY_BUDGET * self.cost_model.retry_extra))
@@ -354,20 +334,6 @@ class GammaController:
     @property
     def verify(self) -> VerifyTimes:
         return self.cost_model.verify
-
-    # per-row state, in batch-slot order
-    ROWS = ("alphas", "calibration", "off_for", "wait", "on", "judged", "tree_tokens")
-    joins = True
-
-    def select(self, keep: list[int]) -> None:
-        """Only these batch slots go on."""
-        for name in self.ROWS:
-            setattr(self, name, [getattr(self, name)[i] for i in keep])
-
-    def join(self, other: "GammaController") -> None:
-        """``other``'s rows join, each with what it has learnt so far."""
-        for name in self.ROWS:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def costs(self, batch: int) -> StaticCosts:
         return self.cost_model.for_batch(batch)
@@ -377,10 +343,9 @@ class GammaController:
         ``full``: the pass may draft all it has (default: cap is the whole budget), so the short
         passes near a request's end are not taken for the widths to time; a tree smaller than the
         budget (a head unsure past its first depth) is timed at its own size."""
-        batch = len(self.alphas)
         full = cap == self.gamma_max if full is None else full
         for gamma in (0, cap, cap // 2) if full else (0,):
-            if not self.verify.covers(batch * (gamma + 1)):
+            if not self.verify.covers(self.rows * (gamma + 1)):
                 return gamma
         return None
 
@@ -388,15 +353,74 @@ class GammaController:
         """Per row: whether it has waited long enough to be re-tried if it is off."""
         return [off + 1 >= wait for off, wait in zip(self.off_for, self.wait)]
 
-    def choose(self, room: int) -> tuple[int, list[int]]:
-        """(γ for the pass, per-row draft caps) with γ <= room."""
+    def _back_off(self, row: int) -> None:
+        """A retry of this row failed: wait twice as long (up to 8 x retry_every) before the next."""
+        self.wait[row] = max(min(8 * self.retry_every, 2 * self.wait[row]), self._first_wait())
+
+    def observe(self, gamma: int, width: int, lengths: list[int], accepted: list[int], draft_seconds: float,
+                verify_seconds: float, per_pass: bool = False, retry: bool = False) -> None:
+        """What a chain pass did (or a pass that verified no tree): requested γ, verified block
+        width k, drafts and acceptances per row; ``retry``: the pass re-tried rows that were off."""
+        self.gammas_used.append(gamma)
+        self._observe_retry(retry, len(lengths), draft_seconds, verify_seconds)
+        self.cost_model.observe_pass(gamma, len(lengths) * width, draft_seconds, verify_seconds, per_pass,
+                                     batch=len(lengths))
+        for row, (d, n) in enumerate(zip(lengths, accepted)):
+            if d > 0:
+                self._observe_row(row, d, n)
+                self.off_for[row] = 0
+            else:
+                self.off_for[row] += 1
+
+    def _observe_row(self, row: int, drafted: int, accepted: int) -> None:
+        """A row's chain of ``drafted`` drafts kept ``accepted`` of them."""
+
+    def _observe_retry(self, retry: bool, batch: int, draft_seconds: float, verify_seconds: float) -> None:
+        """A pass chosen to re-try rows that were off (a chain's, or a tree drafted for them, even
+        one then cut to nothing): what it cost beyond a plain pass sets how long the next waits."""
+        if retry:
+            plain = self.verify(batch)
+            self.cost_model.observe_retry((draft_seconds + verify_seconds) / plain - 1 if plain > 0 else 0.0)
+
+    @property
+    def mean_gamma(self) -> float:
+        return sum(self.gammas_used) / len(self.gammas_used) if self.gammas_used else 0.0
+
+
+class ChainGamma(AutoGamma):
+    """γ for a chain drafter, chosen each pass of one request from each row's α per draft
+    position and the engine's costs; rows that do not pay draft nothing and are re-tried."""
+
+    row_fields = AutoGamma.row_fields + ("alphas",)
+
+    def __init__(self, rows: int, gamma_max: int = 8, retry_every: int = 16, costs: CostModel | None = None,
+                 per_pass: bool = False):
+        super().__init__(rows, gamma_max, retry_every, costs, per_pass)
+        self.alphas = [RowAlpha() for _ in range(rows)]
+
+    def plan(self, room: int, propose: Callable[[int], Proposal]) -> Plan:
+        """The pass's γ and per-row caps, chosen before drafting; the drafter's chains."""
+        gamma, caps, retry = self.choose(room)
+        return Plan(propose(gamma), caps, retry)
+
+    def learn(self, prop: Proposal, plan: Plan, accepted: list[int], draft_seconds: float,
+              verify_seconds: float) -> None:
+        """What the pass did (``prop`` as verified: capped), for the estimates and the costs."""
+        lens, width = _width(prop)
+        self.observe(max(plan.caps, default=0), width, lens, accepted, draft_seconds, verify_seconds, self.per_pass,
+                     plan.retry)
+
+    def _observe_row(self, row: int, drafted: int, accepted: int) -> None:
+        self.alphas[row].observe(drafted, accepted)
+
+    def choose(self, room: int) -> tuple[int, list[int], bool]:
+        """(γ for the pass, per-row draft caps, whether it only re-tries rows that are off), γ <= room."""
         cap = max(0, min(self.gamma_max, room))
         explore = self._unmeasured(cap)
         if explore is not None:
-            return explore, [explore] * len(self.alphas)
-        costs = self.costs(len(self.alphas))
-        profiles = [a.profile(cap) for a in self.alphas]
-        gamma, on = choose_batch_gamma(profiles, costs, cap)
+            return explore, [explore] * self.rows, False
+        costs = self.costs(self.rows)
+        gamma, on = choose_batch_gamma([a.profile(cap) for a in self.alphas], costs, cap)
         for row, row_on in enumerate(on):
             if row_on:
                 self.wait[row] = self.retry_every  # it was paying: re-try soon if it stops
@@ -404,13 +428,50 @@ class GammaController:
                 self._back_off(row)
         self.on = on
         retry = [not row_on and due for row_on, due in zip(on, self._retry_due())]
-        self.retrying = any(retry) and gamma == 0
-        if self.retrying:
+        retrying = any(retry) and gamma == 0
+        if retrying:
             # re-try with the γ the prior belief would pick (at least 1): cheap for a drafter whose
             # misses cost nothing (ngram), short for an expensive one
             prior = [RowAlpha().prior_mean]
             gamma = _argmax(lambda g: expected_tokens(prior, g) / costs.seconds(g), cap, start=1) if cap else 0
-        return gamma, [gamma if (row_on or r) else 0 for row_on, r in zip(on, retry)]
+        return gamma, [gamma if (row_on or r) else 0 for row_on, r in zip(on, retry)], retrying
+
+
+class TreeGamma(AutoGamma):
+    """The nodes per pass for a drafter of token trees. Trees are paid for before they are seen:
+    the budget is asked for while the trees' measured yields pay (``tree_budget``), then each pass
+    keeps the nodes worth verifying by the drafter's scores calibrated per row and depth
+    (``choose_tree``)."""
+
+    row_fields = AutoGamma.row_fields + ("calibration", "judged", "tree_tokens")
+
+    def __init__(self, rows: int, gamma_max: int = 8, retry_every: int = 16, costs: CostModel | None = None,
+                 per_pass: bool = True):
+        super().__init__(rows, gamma_max, retry_every, costs, per_pass)
+        self.calibration = [RowCalibration() for _ in range(rows)]
+        self.judged = [False] * rows  # whether the prior has been weighed for the row
+        self.tree_tokens: list[float | None] = [None] * rows  # tokens per tree pass, a running mean
+        self.tree_width: float | None = None  # block width of tree passes, a running mean
+        self.widest_tree: int | None = None  # the most nodes a proposal has held (a head may never fill the budget)
+
+    def plan(self, room: int, propose: Callable[[int], Proposal]) -> Plan:
+        """The whole budget asked of the drafter, then the nodes per row worth verifying."""
+        budget = self.tree_budget(room)
+        prop = propose(budget)
+        if prop.parents is None:  # no tree this pass
+            return Plan(prop, [budget] * len(prop.lengths))
+        caps, retry = self.choose_tree(prop.scores, depths(prop.parents), prop.lengths, budget)
+        return Plan(prop, caps, retry)
+
+    def learn(self, prop: Proposal, plan: Plan, accepted: list[int], draft_seconds: float,
+              verify_seconds: float) -> None:
+        """What the pass did (``prop`` as verified: capped), for the estimates and the costs."""
+        lens, width = _width(prop)
+        if prop.parents is not None:
+            self.observe_tree(width, lens, accepted, kept_scores(prop), draft_seconds, verify_seconds, plan.retry)
+        else:
+            self.observe(max(plan.caps, default=0), width, lens, accepted, draft_seconds, verify_seconds,
+                         self.per_pass, plan.retry)
 
     # trees stop when their measured yield loses to plain passes by this factor. 0.7 left trees on at
     # batch 8 where they cost ~15% (155 tok/s against 169 with 0.9, `none` 183; bf16 CPU, 24
@@ -428,7 +489,7 @@ class GammaController:
         # while the widths a tree would be verified at are untimed, draft it whole (choose_tree times them)
         if self._unmeasured(min(cap, self.widest_tree or cap), full=cap == self.gamma_max) is not None:
             return cap
-        batch = len(self.alphas)
+        batch = self.rows
         if not all(self.judged):
             # at the full budget: a pass near a row's end (little room) says nothing of the rows' prospects
             prior_pays = choose_batch_gamma([[RowAlpha().prior_mean]], self.costs(batch), self.gamma_max)[0] > 0
@@ -444,10 +505,6 @@ class GammaController:
             return cap
         return cap if any(self._retry_due()) else 0
 
-    def _back_off(self, row: int) -> None:
-        """A retry of this row failed: wait twice as long (up to 8 x retry_every) before the next."""
-        self.wait[row] = max(min(8 * self.retry_every, 2 * self.wait[row]), self._first_wait())
-
     def _switch_off(self, row: int) -> None:
         self.on[row], self.off_for[row] = False, 0
         self.wait[row] = max(self.wait[row], self._first_wait())
@@ -462,36 +519,27 @@ class GammaController:
         tree = tokens / (self.cost_model.draft_pass(batch) + self.verify(round(batch * self.tree_width)))
         return tree >= self.TREE_MARGIN * batch / self.verify(batch)
 
-    def choose_tree(self, scores, depths, lengths, budget: int) -> list[int]:
+    def choose_tree(self, scores, depths, lengths, budget: int) -> tuple[list[int], bool]:
         """Nodes to verify per row from a best-first tree proposal (scores [B, N], sorted by the
-        drafter, each node's estimated chance to be on the target's path; depths [B, N]): the width
-        maximising expected tokens per second, where a row's pass yields 1 + the sum over its kept
-        nodes of score x the row's calibration at that node's depth, over the measured cost of a
-        pass of that width. A row already drafting stays on and verifies at least its best node
-        (tree_budget switches the batch's drafting off on the yields its trees measure); rows that
-        are off, or have no node this pass, are re-tried with the prior calibration now and then, and
-        verify nothing if the retry does not look worth it."""
-        batch = len(self.alphas)
+        drafter, each node's estimated chance to be on the target's path; depths [B, N]), and whether
+        the tree was drafted only to re-try rows that were off: the width maximising expected tokens
+        per second, where a row's pass yields 1 + the sum over its kept nodes of score x the row's
+        calibration at that node's depth, over the measured cost of a pass of that width. A row
+        already drafting stays on and verifies at least its best node (tree_budget switches the
+        batch's drafting off on the yields its trees measure); rows that are off, or have no node
+        this pass, are re-tried with the prior calibration now and then, and verify nothing if the
+        retry does not look worth it."""
+        batch = self.rows
         cap = min(budget, scores.shape[1]) if scores is not None else 0
         if budget == self.gamma_max:
             self.widest_tree = max(self.widest_tree or 0, cap)
         explore = self._unmeasured(cap, full=budget == self.gamma_max)
         if explore is not None:
-            return [explore] * batch
+            return [explore] * batch, False
         if scores is None or cap == 0:
-            return [0] * batch
-        real = torch.arange(scores.shape[1], device=scores.device)[None] < lengths[:, None]
-        sc = (scores.float() * real)[:, :cap].cpu().tolist()
-        dp = depths[:, :cap].cpu().tolist()
+            return [0] * batch, False
         retry = [not on and due for on, due in zip(self.on, self._retry_due())]
-        self.retrying = any(retry) and not any(self.on)  # drafted only to re-try rows that were off
-        gains = []
-        for row in range(batch):
-            ratios = (RowCalibration() if retry[row] else self.calibration[row]).ratios(max(dp[row], default=0))
-            gain = [1.0]
-            for score, depth in zip(sc[row], dp[row]):
-                gain.append(gain[-1] + score * ratios[depth - 1])
-            gains.append(gain)
+        gains = self._gains(scores, depths, lengths, cap, retry)
         # the tree is drafted already: only verifying it costs from here
         verifying = StaticCosts(0.0, lambda k: self.verify(batch * k))
         width, on = choose_batch_width(gains, verifying)
@@ -507,18 +555,34 @@ class GammaController:
         # for 16+ passes: 53.9 before against 56.3 tok/s side by side (bf16 CPU, eagle+ngram, 24
         # prompts), where a fixed γ 8 ran 57.2.
         has_nodes = (lengths > 0).tolist()  # a model-free tree (suffix) may have none for a row: it goes off
+        retrying = any(retry) and not any(self.on)  # drafted only to re-try rows that were off
         on = [row_on or (was_on and nodes) for row_on, was_on, nodes in zip(on, self.on, has_nodes)]
         if any(on) and width == 0:
             width = _argmax(lambda g: batch_rate(gains, on, verifying, g), min(len(g) for g in gains) - 1, start=1)
         self.on = on
-        return [width if row_on else 0 for row_on in on]
+        return [width if row_on else 0 for row_on in on], retrying
+
+    def _gains(self, scores, depths, lengths, cap: int, retry: list[bool]) -> list[list[float]]:
+        """Per row, the expected tokens of a pass keeping its first 0, 1, ... nodes (a row re-tried:
+        by the prior calibration)."""
+        real = torch.arange(scores.shape[1], device=scores.device)[None] < lengths[:, None]
+        sc = (scores.float() * real)[:, :cap].cpu().tolist()
+        dp = depths[:, :cap].cpu().tolist()
+        gains = []
+        for row in range(self.rows):
+            ratios = (RowCalibration() if retry[row] else self.calibration[row]).ratios(max(dp[row], default=0))
+            gain = [1.0]
+            for score, depth in zip(sc[row], dp[row]):
+                gain.append(gain[-1] + score * ratios[depth - 1])
+            gains.append(gain)
+        return gains
 
     def observe_tree(self, width: int, lengths: list[int], accepted: list[int], predicted: list[list[float]],
-                     draft_seconds: float, verify_seconds: float) -> None:
+                     draft_seconds: float, verify_seconds: float, retry: bool = False) -> None:
         """What a tree pass did: block width, nodes verified, accepted depth, and per row the summed
-        scores of its verified nodes at each depth."""
+        scores of its verified nodes at each depth; ``retry``: drafted to re-try rows that were off."""
         self.gammas_used.append(width - 1)
-        self._observe_retry(len(lengths), draft_seconds, verify_seconds)
+        self._observe_retry(retry, len(lengths), draft_seconds, verify_seconds)
         self.cost_model.observe_pass(width - 1, len(lengths) * width, draft_seconds, verify_seconds, per_pass=True,
                                      batch=len(lengths))
         self.tree_width = float(width) if self.tree_width is None else 0.8 * self.tree_width + 0.2 * width
@@ -532,29 +596,3 @@ class GammaController:
                 self.off_for[row] = 0
             else:
                 self.off_for[row] += 1
-
-    def observe(self, gamma: int, width: int, lengths: list[int], accepted: list[int],
-                draft_seconds: float, verify_seconds: float, per_pass: bool = False) -> None:
-        """What the pass did: requested γ, verified block width k, drafts and acceptances per row."""
-        self.gammas_used.append(gamma)
-        self._observe_retry(len(lengths), draft_seconds, verify_seconds)
-        self.cost_model.observe_pass(gamma, len(lengths) * width, draft_seconds, verify_seconds, per_pass,
-                                     batch=len(lengths))
-        for row, (d, n) in enumerate(zip(lengths, accepted)):
-            if d > 0:
-                self.alphas[row].observe(d, n)
-                self.off_for[row] = 0
-            else:
-                self.off_for[row] += 1
-
-    def _observe_retry(self, batch: int, draft_seconds: float, verify_seconds: float) -> None:
-        """A pass chosen to re-try rows that were off (a chain's, or a tree drafted for them, even
-        one then cut to nothing): what it cost beyond a plain pass sets how long the next waits."""
-        if self.retrying:
-            plain = self.verify(batch)
-            self.cost_model.observe_retry((draft_seconds + verify_seconds) / plain - 1 if plain > 0 else 0.0)
-            self.retrying = False
-
-    @property
-    def mean_gamma(self) -> float:
-        return sum(self.gammas_used) / len(self.gammas_used) if self.gammas_used else 0.0

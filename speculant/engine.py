@@ -13,11 +13,12 @@ from typing import Iterator
 
 import torch
 
-from .controller import CostModel, FixedGamma, GammaController
+from .controller import ChainGamma, CostModel, FixedGamma, Plan, TreeGamma
 from .drafters.base import DraftContext, Drafter, Proposal, sync
 from .drafters.model import left_pad
 from .errors import SpeculantError
 from .models.backend import Backend
+from .rows import PerRow
 from .sampling import LogitsProcessing, SamplingParams, SeededRows, TokenHistory, argmax, row_seed, token_logprobs
 from .tree import block_layout, check_tree, depths, path_block_index, tree_depth
 from .verify import greedy_verify, sample_verify, tree_greedy_verify, tree_sample_verify
@@ -125,40 +126,43 @@ class Row:
 
 
 @dataclass
+class RowRequest:
+    """One prompt to continue, with its own settings (rows with other settings share a batch:
+    the server's do)."""
+
+    prompt: list[int]
+    params: SamplingParams
+    max_new_tokens: int
+    seed: int | None = None  # the row's own seed, used as given (None: unseeded; greedy rows have none)
+    stop: object = None  # callable(row_tokens) -> index to cut at, or None
+    logprobs: int | None = None  # top-N alternatives per token (0 = the chosen token's only)
+    cancelled: object = None  # callable() -> True to end the row now (finish_reason "abort")
+
+
+@dataclass
 class Request:
-    """One batch to generate. ``params``, ``max_new_tokens``, ``seed``, ``stop_check`` and
-    ``logprobs`` may be given per row (lists): rows with other settings share a batch (the server's do)."""
+    """One batch to generate: its rows, and what they all share (γ, and the batch's stream)."""
 
-    prompts: list[list[int]]
-    params: SamplingParams | list[SamplingParams]
-    max_new_tokens: int | list[int]
-    gamma: int | str  # "auto": chosen each pass by a GammaController
-    seed: int | list | None = None  # row r: row_seed(seed, r); or one seed (or None) per row, used as given
-    stop_check: object = None  # callable(row_tokens) -> index to cut at, or None; or one per row
-    logprobs: int | list | None = None  # top-N alternatives per token (0 = the chosen token's only)
+    rows: list[RowRequest]
+    gamma: int | str  # "auto": chosen each pass by a ChainGamma or TreeGamma
     gamma_max: int | None = None  # the most "auto" may draft per pass (None: by drafter, see Engine._gamma_max)
-    cancelled: object = None  # callable(row) -> True to end that row now (finish_reason "abort")
+    seed: int | None = None  # seeds the batch's stream (drafters, unseeded rows); None: a random one
 
-    def limit(self, row: int) -> int:
-        return self.max_new_tokens[row] if isinstance(self.max_new_tokens, list) else self.max_new_tokens
+    @classmethod
+    def same(cls, prompts: list[list[int]], params: SamplingParams, max_new_tokens: int, gamma: int | str,
+             seed: int | None = None) -> "Request":
+        """Every prompt with the same settings; a seed s gives row r the seed row_seed(s, r)."""
+        rows = [RowRequest(list(p), params, max_new_tokens, seeded_row(params, seed, r)) for r, p in enumerate(prompts)]
+        return cls(rows, gamma, seed=seed)
 
-    def stop_for(self, row: int):
-        return self.stop_check[row] if isinstance(self.stop_check, list) else self.stop_check
+    @property
+    def prompts(self) -> list[list[int]]:
+        return [r.prompt for r in self.rows]
 
-    def _per_row(self, value) -> list:
-        return list(value) if isinstance(value, list) else [value] * len(self.prompts)
 
-    def row_params(self) -> list[SamplingParams]:
-        return self._per_row(self.params)
-
-    def row_logprobs(self) -> list[int | None]:
-        return self._per_row(self.logprobs)
-
-    def row_seeds(self) -> list[int | None]:
-        """Greedy rows have none; a request's seed s gives row r the seed row_seed(s, r)."""
-        seeds = self.seed if isinstance(self.seed, list) else [
-            None if self.seed is None else row_seed(self.seed, r) for r in range(len(self.prompts))]
-        return [None if p.greedy else s for p, s in zip(self.row_params(), seeds)]
+def seeded_row(params: SamplingParams, seed: int | None, row: int) -> int | None:
+    """Row ``row``'s seed in a request seeded with ``seed``: none for greedy rows."""
+    return None if params.greedy or seed is None else row_seed(seed, row)
 
 
 class Emitted(list):
@@ -202,12 +206,12 @@ class Engine:
             return
         self._catch_up(b)
         t0 = time.perf_counter()
-        prop, caps = self._draft(b, self._room(b) - 1)
+        prop, plan = self._draft(b, self._room(b) - 1)
         sync(self.device)
         t1 = time.perf_counter()
         self._verify(b, prop)
         sync(self.device)
-        self._account(b, prop, caps, t1 - t0, time.perf_counter() - t1)
+        self._account(b, prop, plan, t1 - t0, time.perf_counter() - t1)
 
     def start(self, req: Request) -> "Batch":
         """Prefill a request's rows: the prompt through the target, whose last position is judged
@@ -216,10 +220,10 @@ class Engine:
         (the engine's drafter, or a fork of it while another batch holds it), so batches may be
         stepped in any order."""
         drafter = self.drafter if not self.drafter_busy else self.drafter.fork()
-        n = len(req.prompts)
+        n = len(req.rows)
         most = req.gamma if isinstance(req.gamma, int) else self._gamma_max(req, drafter)
-        longest = max(len(p) for p in req.prompts)
-        max_tokens = min(longest + max(req.limit(r) for r in range(n)), self.context_length) + 2 * most + 2
+        longest = max(len(r.prompt) for r in req.rows)
+        max_tokens = min(longest + max(r.max_new_tokens for r in req.rows), self.context_length) + 2 * most + 2
         state = self.backend.new_state(n, max_tokens)
         try:
             return self._prefill(req, state, drafter, most, max_tokens)
@@ -228,25 +232,25 @@ class Engine:
             raise
 
     def _prefill(self, req: Request, state, drafter: Drafter, most: int, max_tokens: int) -> "Batch":
-        dev, n, t0 = self.device, len(req.prompts), time.perf_counter()
-        proc = LogitsProcessing(req.row_params(), self.vocab_size)
+        dev, n, t0 = self.device, len(req.rows), time.perf_counter()
+        proc = LogitsProcessing([r.params for r in req.rows], self.vocab_size)
         generator = torch.Generator(device=dev)
         # the batch's stream (drafters, unseeded rows); seeded rows draw from streams of their own
-        generator.manual_seed(row_seed(req.seed, -1) if isinstance(req.seed, int)  # any int: mixed into 63 bits
+        generator.manual_seed(row_seed(req.seed, -1) if req.seed is not None  # any int: mixed into 63 bits
                               else int(torch.randint(0, 2**62, (1,))))
         stats = dict(drafter=drafter.describe(), gamma=req.gamma, backend=self.backend.info())
-        rows = [Row(list(p), req.limit(r), req.stop_for(r), _cancel(req.cancelled, r), t0=t0,
-                    logprobs=None if top is None else [], stats=Stats(**stats))
-                for r, (p, top) in enumerate(zip(req.prompts, req.row_logprobs()))]
+        rows = [Row(list(r.prompt), r.max_new_tokens, r.stop, r.cancelled, t0=t0,
+                    logprobs=None if r.logprobs is None else [], stats=Stats(**stats)) for r in req.rows]
         per_pass = drafter.block_drafts or drafter.makes_trees  # a pass's drafting cost does not grow with γ
-        control = (GammaController(n, most, costs=self.costs, trees=drafter.makes_trees, per_pass=per_pass)
+        auto = TreeGamma if drafter.makes_trees else ChainGamma
+        control = (auto(n, most, costs=self.costs, per_pass=per_pass)
                    if req.gamma == "auto" else FixedGamma(req.gamma, self.costs, per_pass))
         tokens, valid = left_pad(req.prompts, dev)
         history = TokenHistory(req.prompts, self.vocab_size, dev, proc) if proc.uses_context else None
         taps = tuple(drafter.hidden_layers)
-        b = Batch(rows=rows, slots=[Slot(r, top) for r, top in enumerate(req.row_logprobs())], req=req, proc=proc,
-                  generator=generator, state=state, drafter=drafter, history=history,
-                  seeded=SeededRows(req.row_seeds(), dev), control=control, taps=taps)
+        b = Batch(rows=rows, slots=[Slot(i, r.logprobs) for i, r in enumerate(req.rows)], gamma=req.gamma,
+                  gamma_max=req.gamma_max, proc=proc, generator=generator, state=state, drafter=drafter,
+                  history=history, seeded=SeededRows([r.seed for r in req.rows], dev), control=control, taps=taps)
         out = state.append(tokens, valid, last_only=True, taps=taps)
         logits, hidden = out if taps else (out, None)
         empty = self._empty(n)
@@ -276,7 +280,6 @@ class Engine:
 
     def finish(self, batch: "Batch") -> list[Row]:
         """The batch's rows with their final stats; its caches and drafter go back."""
-        self.state = None  # the cache is not kept alive between requests
         self.backend.release(batch.state)
         batch.drafter.finish()
         if batch.drafter is self.drafter:
@@ -310,7 +313,6 @@ class Engine:
     def _emit(self, b: "Batch"):
         """Append each row's new tokens, ending rows at EOS / stop / max_new_tokens / context /
         cancel; the rows that end leave the batch."""
-        self.state, self.slots = b.state, b.active  # for inspection (tests of the rollback invariant)
         keep = []
         for i, slot in enumerate(b.slots):
             row = b.rows[slot.row]
@@ -368,16 +370,19 @@ class Engine:
         return min(min(b.rows[r].limit - len(b.rows[r].tokens) for r in b.active),
                    self.context_length - int(b.state.lengths().max()) - 1)
 
-    def _draft(self, b: "Batch", room: int) -> tuple[Proposal, list[int]]:
-        """Propose within ``room`` draft tokens: the budget the γ control chooses (a chain's γ, or a
-        tree's whole budget), then each row's cap (its γ, or the tree nodes worth verifying).
-        Returns the capped proposal and the caps."""
+    def _draft(self, b: "Batch", room: int) -> tuple[Proposal, Plan]:
+        """Propose within ``room`` draft tokens: the γ control asks the drafter for a budget (a
+        chain's γ, or a tree's whole budget) and caps each row (its γ, or the tree nodes worth
+        verifying). Returns the capped proposal and the control's plan."""
         batch = len(b.slots)
-        budget = b.control.budget(room)
-        prop = b.drafter.propose(budget) if budget > 0 else self._empty(batch)
-        check_proposal(prop, batch, budget, self.vocab_size, self.device)
-        caps = b.control.caps(prop, budget)
-        return _cap(prop, caps, lambda width: b.state.block_width(width, room)), caps
+
+        def propose(budget: int) -> Proposal:
+            prop = b.drafter.propose(budget) if budget > 0 else self._empty(batch)
+            check_proposal(prop, batch, budget, self.vocab_size, self.device)
+            return prop
+
+        plan = b.control.plan(room, propose)
+        return _cap(plan.prop, plan.caps, lambda width: b.state.block_width(width, room)), plan
 
     def _verify(self, b: "Batch", prop: Proposal) -> None:
         """Score [pending token + drafts] in ONE target pass, accept, and keep exactly the accepted
@@ -428,13 +433,14 @@ class Engine:
             slot.logprobs = entries[i] if entries is not None else None
             slot.fed = fed[i] if fed is not None else None
 
-    def _account(self, b: "Batch", prop: Proposal, caps: list[int], draft_seconds: float,
+    def _account(self, b: "Batch", prop: Proposal, plan: Plan, draft_seconds: float,
                  verify_seconds: float) -> None:
         """Per-row counters, and what the pass teaches the γ control (acceptance, costs)."""
         accepted = [s.accepted for s in b.slots]
+        caps = plan.caps
         drafted = max(caps, default=0) > 0
         draft_cost = draft_seconds - (b.drafter.catchup_seconds if drafted else 0.0)
-        b.control.learn(prop, caps, accepted, draft_cost, verify_seconds)
+        b.control.learn(prop, plan, accepted, draft_cost, verify_seconds)
         lens = prop.lengths.tolist()
         # judged positions per row: a chain's length, a tree's depth
         depth = lens if prop.parents is None else tree_depth(prop.parents, prop.lengths).tolist()
@@ -477,11 +483,6 @@ def _accept(scores: torch.Tensor, probs: torch.Tensor | None, prop: Proposal, pr
                  for a, b in zip(chosen, sampled))
 
 
-def _cancel(cancelled, row: int):
-    """Request.cancelled(row) as a row's own callable."""
-    return None if cancelled is None else (lambda: cancelled(row))
-
-
 @dataclass
 class Slot:
     """A running row's place in its batch, and what its last pass produced, not yet handed out."""
@@ -495,73 +496,66 @@ class Slot:
 
 
 @dataclass
-class Batch:
-    """Rows generating together: one KV state, one drafter state, one γ control. Rows leave as
-    they finish (``shrink``); the rows of another batch with the same γ setting can join it
-    between passes (``join``), so a server decodes requests that arrive at different times as one
-    batch. ``slots``: the running rows, in the order of the state's rows."""
+class Batch(PerRow):
+    """Rows generating together: one KV state, one drafter state, one γ control. The one owner of
+    the running rows: every part that keeps per-row data is one of its ``row_fields`` (and declares
+    its own: speculant/rows.py), so rows leave as they finish (``shrink``) and the rows of another
+    batch with the same γ setting join it between passes (``join``) here, in one place; a server
+    decodes requests that arrive at different times as one batch. ``slots``: the running rows, in
+    the order of the state's rows."""
 
     rows: list[Row]
     slots: list[Slot]
-    req: Request  # the request that started it (γ and its bound: what every row shares)
+    gamma: int | str  # the γ setting and its bound: what every row shares (Request)
+    gamma_max: int | None
     proc: LogitsProcessing
     generator: torch.Generator
     state: object
     drafter: Drafter
     history: TokenHistory | None
     seeded: SeededRows  # which rows are seeded, and where each stands
-    control: FixedGamma | GammaController
+    control: FixedGamma | ChainGamma | TreeGamma
     taps: tuple
     pending: torch.Tensor | None = None  # [B] each row's next token, not yet in the target's cache
     path: torch.Tensor | None = None  # a tree pass's accepted path
     done: bool = False
+
+    # what follows the running rows, each part with its own per-row fields (PerRow)
+    row_fields = ("state", "pending", "proc", "history", "seeded", "drafter", "control", "slots")
 
     @property
     def active(self) -> list[int]:
         """The running rows (indices into ``rows``), in slot order."""
         return [s.row for s in self.slots]
 
-    def _parts(self, other: "Batch | None" = None):
-        """The per-row parts that follow the batch's rows (with ``other``'s counterparts)."""
-        names = ("proc", "history", "seeded", "drafter", "control")
-        return [(getattr(self, k), getattr(other, k) if other is not None else None) for k in names
-                if getattr(self, k) is not None]
+    def parts(self) -> list[PerRow]:
+        """The batch's components with per-row data of their own."""
+        return [part for part in (getattr(self, k) for k in self.row_fields) if isinstance(part, PerRow)]
 
     def shrink(self, keep: list[int]) -> None:
         """Only these slots go on (the other rows finished)."""
-        idx = torch.tensor(keep, device=self.pending.device)
-        self.state.select(idx)
-        self.pending = self.pending[idx]
-        for part, _ in self._parts():
-            part.select(keep)
-        self.slots = [self.slots[i] for i in keep]
+        self.select(keep)
 
     @property
     def accepts_rows(self) -> bool:
         """Rows of another batch may join: its parts know how to join. (A seeded row's text does not
         depend on what else runs: see SeededRows.)"""
-        return not self.done and all(
-            x is None or getattr(x, "joins", False) for x in (self.state, self.drafter, self.history, self.control))
+        return not self.done and all(part.joins for part in self.parts())
 
     def can_join(self, other: "Batch") -> bool:
         """Whether ``other``'s rows may join this batch: both accept rows, the same γ setting, the
         same parts, and processing that reads the text in the same forms (sampling settings
         themselves are per row)."""
-        a, b = self.req, other.req
-        same = a.gamma == b.gamma and a.gamma_max == b.gamma_max and self.proc.forms == other.proc.forms
-        parts = [(self.state, other.state), (self.drafter, other.drafter), (self.history, other.history),
-                 (self.control, other.control)]
-        return same and self.accepts_rows and other.accepts_rows and all(type(x) is type(y) for x, y in parts)
+        same = (self.gamma == other.gamma and self.gamma_max == other.gamma_max
+                and self.proc.forms == other.proc.forms)
+        kinds = [type(getattr(self, k)) is type(getattr(other, k)) for k in self.row_fields]
+        return same and self.accepts_rows and other.accepts_rows and all(kinds)
 
     def join(self, other: "Batch") -> None:
         """Take ``other``'s rows (a batch just started, or stepped apart) into this one."""
-        offset = len(self.rows)
+        other.slots = [replace(s, row=s.row + len(self.rows)) for s in other.slots]
         self.rows += other.rows
-        self.slots += [replace(s, row=s.row + offset) for s in other.slots]
-        self.state.join(other.state)
-        self.pending = torch.cat([self.pending, other.pending])
-        for mine, theirs in self._parts(other):
-            mine.join(theirs)
+        super().join(other)  # every part's rows, in one place
         other.done, other.rows, other.slots = True, [], []
 
 

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from .errors import SpeculantError
+from .rows import PerRow
 
 
 LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]  # (context token ids, logits [V]) -> logits [V]
@@ -130,8 +131,10 @@ class Context:
     token_ids: list | None = None  # one full token list per position, flattened (logits processors)
 
 
-class TokenHistory:
+class TokenHistory(PerRow):
     """The text of each row so far, kept in the forms the processing needs (only those it needs)."""
+
+    row_fields = ("seen", "counts", "texts")  # None where the processing does not need that form
 
     def __init__(self, prompts: list[list[int]], vocab: int, device, params: "SamplingParams | LogitsProcessing"):
         self.vocab, self.device = vocab, device
@@ -159,20 +162,6 @@ class TokenHistory:
                 self.counts[row].scatter_add_(0, idx, torch.ones_like(idx, dtype=torch.int32))
             if self.texts is not None:
                 self.texts[row].extend(toks)
-
-    def select(self, rows: list[int]) -> None:
-        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
-        self.seen = self.seen[idx] if self.seen is not None else None
-        self.counts = self.counts[idx] if self.counts is not None else None
-        self.texts = [self.texts[r] for r in rows] if self.texts is not None else None
-
-    joins = True
-
-    def join(self, other: "TokenHistory") -> None:
-        """Append ``other``'s rows (histories kept in the same forms: the same processing)."""
-        self.seen = torch.cat([self.seen, other.seen]) if self.seen is not None else None
-        self.counts = torch.cat([self.counts, other.counts]) if self.counts is not None else None
-        self.texts = self.texts + other.texts if self.texts is not None else None
 
     def block(self, drafts: torch.Tensor, seen: torch.Tensor | None = None) -> Context:
         """Context of each position of a verify block [B, T = G+1]: position t has seen drafts[:, :t],
@@ -328,7 +317,7 @@ def _rows_of(ctx: Context | None, idx: list[int], batch: int) -> Context | None:
     return Context(None if ctx.seen is None else ctx.seen[idx], None if ctx.counts is None else ctx.counts[idx], ids)
 
 
-class LogitsProcessing:
+class LogitsProcessing(PerRow):
     """One processing for p and q. ``scores`` is what greedy takes the argmax of; ``probs`` what
     sampling draws from. ``params``: one SamplingParams for every row (any batch), or one per row
     of a batch, so requests with other settings (greedy or sampled, other temperatures, top-k/p,
@@ -391,13 +380,12 @@ class LogitsProcessing:
         """[B] bool: which of the batch's rows are greedy."""
         return torch.tensor([p.greedy for p in self.rows], device=device)
 
-    def select(self, rows: list[int]) -> None:
-        self.rows = [self.rows[r] for r in rows]
+    row_fields = ("rows",)  # joins batches that keep the text in the same forms: see Batch.can_join
+
+    def _select_more(self, rows: list[int]) -> None:
         self._group()
 
-    def join(self, other: "LogitsProcessing") -> None:
-        """Take ``other``'s rows (the batches keep the text in the same forms: see Batch.can_join)."""
-        self.rows = self.rows + other.rows
+    def _join_more(self, other: "LogitsProcessing") -> None:
         self._settings += other._settings
         self._group()
 
@@ -493,10 +481,10 @@ def row_seed(seed: int, row: int) -> int:
     return _mix(seed, row)
 
 
-class SeededRows:
+class SeededRows(PerRow):
     """Which rows of a batch are seeded, and the output index each one draws next."""
 
-    joins = True
+    row_fields = ("seeds", "next", "cache")
 
     def __init__(self, seeds: list[int | None], device):
         self.seeds, self.device = list(seeds), device
@@ -554,9 +542,3 @@ class SeededRows:
         self.next = [k + c for k, c in zip(self.next, counts)]
         self.cache = [{i: e for i, e in c.items() if i >= k} for c, k in zip(self.cache, self.next)]
 
-    def select(self, rows: list[int]) -> None:
-        self.seeds, self.next = [self.seeds[r] for r in rows], [self.next[r] for r in rows]
-        self.cache = [self.cache[r] for r in rows]
-
-    def join(self, other: "SeededRows") -> None:
-        self.seeds, self.next, self.cache = self.seeds + other.seeds, self.next + other.next, self.cache + other.cache

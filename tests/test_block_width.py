@@ -115,18 +115,18 @@ def test_the_controller_learns_the_width_it_chose_not_the_padded_one(padded, mon
     """Costs are looked up by the width the controller asks about (γ + 1): were they recorded under
     the padded width, a γ that is no bucket would never count as measured, and the controller would
     keep exploring it (a padded block costs what choosing that γ costs)."""
-    from speculant.controller import GammaController
+    from speculant.controller import ChainGamma, TreeGamma
 
     seen = []
-    for name in ("observe", "observe_tree"):
-        original = getattr(GammaController, name)
+    for cls, name in ((ChainGamma, "observe"), (TreeGamma, "observe"), (TreeGamma, "observe_tree")):
+        original = getattr(cls, name)
 
         def spy(self, *args, _original=original, **kwargs):
             width, lens = (args[1], args[2]) if _original.__name__ == "observe" else (args[0], args[1])
             seen.append((width, max(lens, default=0) + 1))
             return _original(self, *args, **kwargs)
 
-        monkeypatch.setattr(GammaController, name, spy)
+        monkeypatch.setattr(cls, name, spy)
     target = tiny_llama(0, layers=2)
     speculant.generate(target, _prompts(3), drafter=_drafter(kind, target, tmp_path), gamma="auto", max_new_tokens=30)
     assert seen and all(w == chosen for w, chosen in seen), seen

@@ -3,7 +3,7 @@ import pytest
 
 import random
 
-from speculant.controller import (CostModel, GammaController, RowAlpha, StaticCosts, VerifyTimes,
+from speculant.controller import (ChainGamma, CostModel, RowAlpha, StaticCosts, TreeGamma, VerifyTimes,
                                   choose_batch_gamma, choose_gamma, expected_tokens)
 
 
@@ -75,44 +75,46 @@ def test_row_alpha_learns_and_unseen_positions_inherit():
 
 
 def test_controller_switches_off_and_retries():
-    ctl = GammaController(rows=1, gamma_max=8, retry_every=16)
+    ctl = ChainGamma(rows=1, gamma_max=8, retry_every=16)
     costs = {1: 1.0}
     chosen = []
     for _ in range(80):
-        g, caps = ctl.choose(room=50)
+        g, caps, retry = ctl.choose(room=50)
         chosen.append(g)
         width = max(caps) + 1
         # a useless drafter: nothing accepted; drafting costs 0.3 of a pass per token
-        ctl.observe(g, width, caps, [0], draft_seconds=0.3 * g, verify_seconds=costs.get(width, 1.0 + 0.05 * width))
+        ctl.observe(g, width, caps, [0], draft_seconds=0.3 * g, verify_seconds=costs.get(width, 1.0 + 0.05 * width),
+                    retry=retry)
     late = chosen[10:]
     assert late.count(0) > 0.85 * len(late), late
     assert any(g > 0 for g in late), "never retried"
 
 
 def test_controller_speculates_with_a_good_cheap_drafter():
-    ctl = GammaController(rows=2, gamma_max=8)
+    ctl = ChainGamma(rows=2, gamma_max=8)
     for _ in range(40):
-        g, caps = ctl.choose(room=50)
-        ctl.observe(g, max(caps) + 1, caps, [c for c in caps], draft_seconds=0.01 * g, verify_seconds=1.0)
-    g, caps = ctl.choose(room=50)
+        g, caps, retry = ctl.choose(room=50)
+        ctl.observe(g, max(caps) + 1, caps, [c for c in caps], draft_seconds=0.01 * g, verify_seconds=1.0, retry=retry)
+    g, caps, retry = ctl.choose(room=50)
     assert g == 8 and caps == [8, 8]
     assert ctl.choose(room=3)[0] <= 3
 
 
 def test_controller_shrinking_batch_keeps_row_estimates():
-    ctl = GammaController(rows=3)
+    ctl = ChainGamma(rows=3)
     ctl.alphas[2].observe(4, 4)
     ctl.select([2])
     assert len(ctl.alphas) == 1 and ctl.alphas[0].accepted[0] == 1.0
 
 
 def test_failed_retries_back_off():
-    ctl = GammaController(rows=1, gamma_max=8, retry_every=16)
+    ctl = ChainGamma(rows=1, gamma_max=8, retry_every=16)
     chosen = []
     for _ in range(400):
-        g, caps = ctl.choose(room=50)
+        g, caps, retry = ctl.choose(room=50)
         chosen.append(g)
-        ctl.observe(g, max(caps) + 1, caps, [0], draft_seconds=0.3 * g, verify_seconds=1.0 + 0.05 * (max(caps) + 1))
+        ctl.observe(g, max(caps) + 1, caps, [0], draft_seconds=0.3 * g, verify_seconds=1.0 + 0.05 * (max(caps) + 1),
+                    retry=retry)
     late = [g for g in chosen[200:] if g > 0]
     assert 1 <= len(late) <= 200 // 64, late  # waits grew from 16 to 128 passes
     assert all(g == 1 for g in late)
@@ -122,16 +124,16 @@ def _run(ctl, passes, accept, verify_cost, draft_per_token=0.0, room=50):
     """Drive a controller with a synthetic drafter: row accepts accept(caps) tokens; returns γs chosen."""
     chosen = []
     for _ in range(passes):
-        g, caps = ctl.choose(room=room)
+        g, caps, retry = ctl.choose(room=room)
         chosen.append(g)
         width = max(caps) + 1
         ctl.observe(g, width, caps, accept(caps), draft_seconds=draft_per_token * g,
-                    verify_seconds=verify_cost(width))
+                    verify_seconds=verify_cost(width), retry=retry)
     return chosen
 
 
 def test_first_passes_measure_narrowest_and_widest_blocks():
-    ctl = GammaController(rows=1, gamma_max=8)
+    ctl = ChainGamma(rows=1, gamma_max=8)
     chosen = _run(ctl, 3, lambda caps: [0], lambda k: 1.0)
     assert chosen == [0, 8, 4]
 
@@ -153,15 +155,15 @@ def test_step_shaped_verify_cost_still_picks_a_long_draft():
             out.append(n)
         return out
 
-    chosen = _run(GammaController(rows=1, gamma_max=8), 200, bernoulli, cpu)
+    chosen = _run(ChainGamma(rows=1, gamma_max=8), 200, bernoulli, cpu)
     late = chosen[50:]
     assert sum(g >= 5 for g in late) > 0.8 * len(late), late
 
 
 def test_costs_carry_over_to_the_next_request():
     costs = CostModel()
-    _run(GammaController(rows=1, gamma_max=8, costs=costs), 10, lambda caps: list(caps), lambda k: 1.0 + 0.01 * k)
-    second = GammaController(rows=1, gamma_max=8, costs=costs)
+    _run(ChainGamma(rows=1, gamma_max=8, costs=costs), 10, lambda caps: list(caps), lambda k: 1.0 + 0.01 * k)
+    second = ChainGamma(rows=1, gamma_max=8, costs=costs)
     assert second.choose(room=50)[0] >= 5  # no exploration (that would start at γ = 0): the prior α and the known costs decide at once
 
 
@@ -184,11 +186,11 @@ def test_drafting_is_timed_per_batch_size():
 
 def test_a_batch_that_lost_a_row_is_not_measured_again():
     costs = CostModel()
-    _run(GammaController(rows=64, gamma_max=8, costs=costs), 6, lambda caps: list(caps), lambda k: 1.0 + 0.01 * k)
+    _run(ChainGamma(rows=64, gamma_max=8, costs=costs), 6, lambda caps: list(caps), lambda k: 1.0 + 0.01 * k)
     assert sorted(costs.verify.points) == [64, 576]  # widths 1 and 9; 5 (320 tokens) is interpolated
-    smaller = GammaController(rows=62, gamma_max=8, costs=costs)
+    smaller = ChainGamma(rows=62, gamma_max=8, costs=costs)
     assert smaller._unmeasured(8) is None
-    half = GammaController(rows=40, gamma_max=8, costs=costs)  # 360 tokens: between 320 and 576, interpolated
+    half = ChainGamma(rows=40, gamma_max=8, costs=costs)  # 360 tokens: between 320 and 576, interpolated
     assert half._unmeasured(8) == 0  # only its plain pass (40 tokens) is new: cheap to time
     costs.verify.observe(40, 1.0)
     assert half._unmeasured(8) is None
@@ -198,12 +200,12 @@ def test_an_expensive_retry_waits_long_and_the_next_request_remembers():
     """A drafter whose retry (γ = 1) costs 5.6 plain passes and never hits: after a failed retry,
     no retry for >= 32 x 4.6 passes (its extra cost), in this request and the next."""
     costs = CostModel()
-    ctl = GammaController(rows=1, gamma_max=8, retry_every=16, costs=costs)
+    ctl = ChainGamma(rows=1, gamma_max=8, retry_every=16, costs=costs)
     chosen = _run(ctl, 400, lambda caps: [0], lambda k: 1.0 if k == 1 else 1.6, draft_per_token=4.0)
     retries = [i for i, g in enumerate(chosen) if g > 0][2:]  # after the exploration passes (γ = 8, 4)
     assert len(retries) >= 2 and all(b - a >= 147 for a, b in zip(retries, retries[1:])), retries
     assert costs.retry_extra == pytest.approx(4.6)
-    nxt = GammaController(rows=1, gamma_max=8, retry_every=16, costs=costs)
+    nxt = ChainGamma(rows=1, gamma_max=8, retry_every=16, costs=costs)
     later = _run(nxt, 140, lambda caps: [0], lambda k: 1.0 if k == 1 else 1.6, draft_per_token=4.0)
     assert not any(later), later
 
@@ -212,7 +214,7 @@ def test_a_tree_drafter_is_not_asked_to_draft_while_every_row_is_off():
     """Trees that never pay are cut to nothing; after that the controller stops asking for them
     (their drafting would be wasted) except for retries, which back off."""
 
-    ctl = GammaController(rows=2, gamma_max=8, retry_every=16)
+    ctl = TreeGamma(rows=2, gamma_max=8, retry_every=16)
     asked = _run_trees(ctl, 300, lambda budget: [[0.02] * budget] * 2, lambda caps: [0, 0], 0.5,
                        lambda k: 1.0 if k == 1 else 1.0 + 0.2 * k)
     late = asked[50:]
@@ -230,13 +232,13 @@ def test_new_rows_are_judged_at_the_full_budget_and_count_the_prior_yield():
     costs.verify.observe(9, 1.1)
     costs.verify.observe(4, 1.05)
     costs.observe_pass(8, 9, 0.2, 1.1, per_pass=True, batch=1)
-    ctl = GammaController(rows=2, gamma_max=8, costs=costs)
+    ctl = TreeGamma(rows=2, gamma_max=8, costs=costs)
     assert ctl.tree_budget(room=0) == 0
     assert ctl.tree_budget(room=16) == 8 and ctl.on == [True, True]
-    one = GammaController(rows=1, gamma_max=8, costs=costs)
+    one = TreeGamma(rows=1, gamma_max=8, costs=costs)
     one.tree_width, one.tree_tokens = 9.0, [3.0]
     one.judged = [True]
-    one.join(GammaController(rows=3, gamma_max=8, costs=costs))
+    one.join(TreeGamma(rows=3, gamma_max=8, costs=costs))
     assert one.tree_budget(room=16) == 8 and all(one.on)
 
 
@@ -258,14 +260,15 @@ def _run_trees(ctl, passes, row_scores, accepted, draft_seconds, verify_cost):
         lengths = [len(n) for n in nodes]
         scores = torch.tensor([n + [0.0] * (budget - len(n)) for n in nodes])
         depths = torch.arange(1, budget + 1).repeat(rows, 1)
-        caps = ctl.choose_tree(scores, depths, torch.tensor(lengths), budget)
+        caps, retry = ctl.choose_tree(scores, depths, torch.tensor(lengths), budget)
         caps = [min(c, n) for c, n in zip(caps, lengths)]
         width = max(caps) + 1
         if width == 1:  # cut to nothing: the engine verifies the plain block
-            ctl.observe(0, 1, [0] * rows, [0] * rows, draft_seconds=draft_seconds, verify_seconds=verify_cost(1))
+            ctl.observe(0, 1, [0] * rows, [0] * rows, draft_seconds=draft_seconds, verify_seconds=verify_cost(1),
+                        retry=retry)
         else:
             ctl.observe_tree(width, caps, accepted(caps), [n[:c] for n, c in zip(nodes, caps)],
-                             draft_seconds=draft_seconds, verify_seconds=verify_cost(width))
+                             draft_seconds=draft_seconds, verify_seconds=verify_cost(width), retry=retry)
     return asked
 
 
@@ -281,8 +284,8 @@ def test_a_tree_drafters_cost_counts_against_its_trees():
     def verify(k):
         return 1.0 + 0.01 * k
 
-    cheap = _run_trees(GammaController(rows=2, gamma_max=8), 200, *_chain(0.8, 2), 0.05, verify)
-    dear = _run_trees(GammaController(rows=2, gamma_max=8), 200, *_chain(0.8, 2), 3.0, verify)
+    cheap = _run_trees(TreeGamma(rows=2, gamma_max=8), 200, *_chain(0.8, 2), 0.05, verify)
+    dear = _run_trees(TreeGamma(rows=2, gamma_max=8), 200, *_chain(0.8, 2), 3.0, verify)
     assert sum(b > 0 for b in cheap[50:]) == 150
     assert sum(b > 0 for b in dear[50:]) <= 150 // 16, dear
 
@@ -301,14 +304,14 @@ def _shallow_tree_passes(ctl, passes: int, draft_seconds: float, score: float = 
             widths.append(0)
             continue
         scores = torch.full((1, 8), score)
-        caps = ctl.choose_tree(scores, torch.ones(1, 8, dtype=torch.long), torch.tensor([8]), budget)
+        caps, retry = ctl.choose_tree(scores, torch.ones(1, 8, dtype=torch.long), torch.tensor([8]), budget)
         width = caps[0] + 1
         widths.append(width)
         if width == 1:  # as the engine does: a tree cut to nothing is a plain pass
-            ctl.observe(0, 1, [0], [0], draft_seconds=draft_seconds, verify_seconds=1.0)
+            ctl.observe(0, 1, [0], [0], draft_seconds=draft_seconds, verify_seconds=1.0, retry=retry)
         else:
             ctl.observe_tree(width, caps, [hits(i)], [[score * caps[0]]], draft_seconds=draft_seconds,
-                             verify_seconds=1.0 + 0.01 * width)
+                             verify_seconds=1.0 + 0.01 * width, retry=retry)
     return widths
 
 
@@ -316,7 +319,7 @@ def test_trees_smaller_than_the_budget_are_timed_at_their_own_size():
     """A head unsure past its first depth drafts fewer nodes than the budget. Its first passes time
     a block of the tree's own width and half of it, as for a full tree, rather than leave the choice
     to a cost extrapolated from the plain pass alone."""
-    widths = _shallow_tree_passes(GammaController(rows=1, gamma_max=15), 6, draft_seconds=0.1)
+    widths = _shallow_tree_passes(TreeGamma(rows=1, gamma_max=15), 6, draft_seconds=0.1)
     assert widths[:3] == [1, 9, 5], widths
     assert widths[3:] == [9, 9, 9], widths  # cheap to draft, one token a pass from 8 nodes: all verified
 
@@ -324,7 +327,7 @@ def test_trees_smaller_than_the_budget_are_timed_at_their_own_size():
 def test_shallow_trees_too_costly_to_draft_are_switched_off():
     """Drafting is weighed once the widths a head's trees reach are timed, even if its trees never
     fill the budget (the budget's own width is then never timed)."""
-    widths = _shallow_tree_passes(GammaController(rows=1, gamma_max=15), 200, draft_seconds=20.0)
+    widths = _shallow_tree_passes(TreeGamma(rows=1, gamma_max=15), 200, draft_seconds=20.0)
     late = widths[50:]
     assert sum(w > 0 for w in late) <= len(late) // 8, widths  # off but for the retries
 
@@ -334,7 +337,7 @@ def test_an_answers_first_misses_do_not_switch_its_drafting_off():
     trees are cut, but the row keeps drafting and verifies at least its best node: only the yields
     its trees measure switch drafting off, and the calibration goes on learning, so the whole tree
     is verified again once the head comes right."""
-    widths = _shallow_tree_passes(GammaController(rows=1, gamma_max=15), 40, draft_seconds=0.1, score=0.3,
+    widths = _shallow_tree_passes(TreeGamma(rows=1, gamma_max=15), 40, draft_seconds=0.1, score=0.3,
                                   hits=lambda i: int(i >= 12))
     assert 0 not in widths, widths  # a tree was asked for every pass (0: the row had been switched off)
     assert widths[-5:] == [9] * 5, widths  # and verified whole once the head came right
@@ -343,7 +346,7 @@ def test_an_answers_first_misses_do_not_switch_its_drafting_off():
 def test_trees_that_never_pay_switch_drafting_off():
     """A row whose trees never pay (nothing accepted, drafting half a pass's cost) must not go on
     paying for drafting every pass: its measured yields switch it off."""
-    widths = _shallow_tree_passes(GammaController(rows=1, gamma_max=15), 200, draft_seconds=0.5, score=0.001,
+    widths = _shallow_tree_passes(TreeGamma(rows=1, gamma_max=15), 200, draft_seconds=0.5, score=0.001,
                                   hits=lambda i: 0)
     late = widths[50:]
     assert sum(w > 0 for w in late) <= len(late) // 8, widths  # off but for the retries
@@ -353,7 +356,7 @@ def test_a_row_with_no_nodes_goes_off_while_another_row_drafts():
     """A model-free tree drafter (suffix) may have no node for a row. That row goes off (it is
     re-tried later), rather than stay on with a yield it never measures."""
 
-    ctl = GammaController(rows=2, gamma_max=8)
+    ctl = TreeGamma(rows=2, gamma_max=8)
     _run_trees(ctl, 30, lambda budget: [[0.5] * budget, []], lambda caps: [1, 0], 0.1,
                lambda k: 1.0 if k == 1 else 1.0 + 0.02 * k)
     assert ctl.on == [True, False], ctl.on

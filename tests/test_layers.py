@@ -13,7 +13,7 @@ ROOT = Path(speculant.__file__).parent
 
 # lowest first; a module belongs to the longest prefix that names it (``speculant`` alone: the package)
 LAYERS = [
-    ("base", ["speculant.errors", "speculant.files", "speculant.limits", "speculant.version"]),
+    ("base", ["speculant.errors", "speculant.files", "speculant.limits", "speculant.rows", "speculant.version"]),
     ("kernels", ["speculant.sampling", "speculant.verify", "speculant.tree", "speculant.constrain"]),
     ("models", ["speculant.models"]),
     ("trained networks", ["speculant.trained"]),

@@ -90,7 +90,7 @@ def weight_bytes(model) -> int:
 
 def run_engine(target, drafter, backend, prompt, n, gamma, eos=()):
     engine = Engine(target, drafter, set(eos), 1 << 20, backend)
-    return drain(engine.run(Request([prompt], SamplingParams(), n, gamma)))[0]
+    return drain(engine.run(Request.same([prompt], SamplingParams(), n, gamma)))[0]
 
 
 def decode_ms_per_token(model, backend, prompt, n, device, repeats=3) -> float:
@@ -139,9 +139,7 @@ class OracleDrafter(Drafter):
         if self.cost:
             self.cost.update(new_tokens, n_accepted)
 
-    def select(self, rows):
-        if self.cost:
-            self.cost.select(rows)
+    row_fields = ("cost",)  # the wrapped drafter's rows (PerRow)
 
 
 def verify_costs(backend, prompt, device, widths, vocab, repeats=20) -> dict[int, float]:

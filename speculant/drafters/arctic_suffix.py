@@ -79,13 +79,14 @@ class ArcticSuffixDrafter(Drafter):
                 self.cache.add_active_response(rid, toks)
                 text.extend(toks)
 
-    def select(self, rows) -> None:
+    row_fields = ("texts",)  # per-row state (PerRow); the ids close their requests as rows leave
+
+    def _select_more(self, rows) -> None:
         keep = set(rows)
         for i, rid in enumerate(self.ids):
             if i not in keep:
                 self.cache.stop_request(rid)
         self.ids = [self.ids[r] for r in rows]
-        self.texts = [self.texts[r] for r in rows]
 
     def propose(self, gamma: int) -> Proposal:
         trees = []

@@ -1,6 +1,7 @@
 """The drafter interface: the engine talks to every drafter through these methods only (start, propose,
-update, select; observe_hidden for drafters that read the target's hidden states; fork, join and finish
-for batches that run side by side, join and end)."""
+update; observe_hidden for drafters that read the target's hidden states; fork and finish for batches
+that run side by side and end). Rows leaving and joining: a drafter declares its per-row fields
+(``row_fields``, speculant/rows.py) and the batch keeps or appends them (``select`` / ``join``)."""
 from __future__ import annotations
 
 import copy
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..rows import PerRow
 from ..sampling import LogitsProcessing
 
 
@@ -83,7 +85,13 @@ class DraftContext:
     seeded: object | None = None
 
 
-class Drafter(ABC):
+class Drafter(PerRow, ABC):
+    """A drafter's per-row state is declared, not handled by hand: ``row_fields`` names the
+    attributes with one entry per row (tensors with rows on dim 0, lists, a TokenHistory or an inner
+    drafter), ``layer_fields`` lists of them per layer (caches of different sizes are padded to the
+    larger on join); ``select`` and ``join`` (speculant/rows.py) keep or append them all. Logic no
+    field expresses goes in ``_select_more`` / ``_join_more``."""
+
     name: str = "drafter"
     # proposes token trees: the engine asks for its whole budget, then keeps the best nodes
     makes_trees: bool = False
@@ -126,10 +134,6 @@ class Drafter(ABC):
         """The target accepted ``n_accepted[b]`` of row b's last drafts; ``new_tokens[b]`` is what
         row b's text grew by (those drafts plus the target's own token)."""
 
-    @abstractmethod
-    def select(self, rows: list[int]) -> None:
-        """Only these rows go on (the others finished)."""
-
     def observe_hidden(self, hidden: list[torch.Tensor]) -> None:
         """hidden[b]: the target's hidden states [m, len(hidden_layers), H] of the m tokens row b's
         last pass put in the target's cache (the pass's first token and the accepted drafts), in
@@ -138,16 +142,12 @@ class Drafter(ABC):
     def describe(self) -> str:
         return self.name
 
-    # rows of another batch (this drafter's fork, started on them) can join: join() is implemented
+    # rows of another batch (this drafter's fork, started on them) can join: its row fields say all
     joins: bool = False
 
     def fork(self) -> "Drafter":
         """A drafter with the same weights and settings for another batch (its state comes with start)."""
         return copy.copy(self)
-
-    def join(self, other: "Drafter") -> None:
-        """Append the rows of ``other`` (a fork of this drafter, started on them) after this batch's."""
-        raise NotImplementedError(f"the {self.name} drafter cannot take rows of another batch")
 
     def finish(self) -> None:
         """The batch is over: give back what it held (caches)."""

@@ -163,15 +163,7 @@ class CascadeDrafter(Drafter):
     def finish(self) -> None:
         self.inner.finish()
 
-    def select(self, rows) -> None:
-        idx = torch.tensor(rows, dtype=torch.long, device=self.ctx.device)
-        self.state.select(idx)
-        self.to_feed = [self.to_feed[r] for r in rows]
-        if self.block_start is not None:
-            self.block_start = self.block_start[idx]
-        if self.history is not None:
-            self.history.select(rows)
-        self.inner.select(rows)
+    row_fields = ("state", "to_feed", "block_start", "history", "inner")  # per-row state (PerRow)
 
 
 def split_cascade(spec: str) -> tuple[str, str]:

@@ -116,7 +116,4 @@ class CrossTokenizerDrafter(Drafter):
         for row, toks in enumerate(new_tokens):
             self.texts[row].extend(toks)
 
-    def select(self, rows) -> None:
-        self.state.select(torch.tensor(rows, dtype=torch.long, device=self.ctx.device))
-        self.texts = [self.texts[r] for r in rows]
-        self.cached = [self.cached[r] for r in rows]
+    row_fields = ("state", "texts", "cached")  # per-row state (PerRow)

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 
-from ..models.fast import cat_rows
 from ..sampling import TokenHistory
 from ..trained import dflash as trained
 from ..trained.dflash import DFlashNet
@@ -92,23 +91,10 @@ class DFlashDrafter(Drafter):
         if self.history is not None:
             self.history.extend(new_tokens)
 
-    def select(self, rows) -> None:
-        idx = torch.tensor(rows, dtype=torch.long, device=self.ctx.device)
-        self.keys = [k[idx] for k in self.keys]
-        self.values = [v[idx] for v in self.values]
-        self.lengths, self.pending = self.lengths[idx], self.pending[idx]
-        if self.history is not None:
-            self.history.select(rows)
-
+    # per-row state (PerRow); on a join, slot -1 takes padding: the larger cache's
+    row_fields = ("lengths", "pending", "history")
+    layer_fields = ("keys", "values")
     joins = True
-
-    def join(self, other: "DFlashDrafter") -> None:
-        # slot -1 takes padding: the larger cache's
-        self.keys = [cat_rows(a, b) for a, b in zip(self.keys, other.keys)]
-        self.values = [cat_rows(a, b) for a, b in zip(self.values, other.values)]
-        self.lengths, self.pending = torch.cat([self.lengths, other.lengths]), torch.cat([self.pending, other.pending])
-        if self.history is not None:
-            self.history.join(other.history)
 
     @torch.no_grad()
     def propose(self, gamma: int) -> Proposal:

@@ -97,15 +97,7 @@ class XPressDrafter(DFlashDrafter):
         self.last = [t[-1] for t in new_tokens]
         super().update(new_tokens, n_accepted)
 
-    def select(self, rows) -> None:
-        super().select(rows)
-        self.before = self.before[torch.tensor(rows, dtype=torch.long, device=self.ctx.device)]
-        self.last = [self.last[r] for r in rows]
-
-    def join(self, other: "XPressDrafter") -> None:
-        super().join(other)
-        self.before = torch.cat([self.before, other.before])
-        self.last += other.last
+    row_fields = DFlashDrafter.row_fields + ("before", "last")  # per-row state (PerRow)
 
     def _drafts(self, hidden: torch.Tensor, gamma: int) -> Proposal:
         first = 0 if self.net.from_anchor else 1

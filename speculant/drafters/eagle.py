@@ -31,7 +31,6 @@ import torch
 
 from ..models import quantized
 from ..models.cpu_kernels import pack_linears
-from ..models.fast import cat_rows
 from ..trained import eagle as trained
 from ..trained.eagle import EagleNet
 from ..trained.format import default_taps, load_network, read_config, tensor_names
@@ -166,23 +165,13 @@ class EagleDrafter(Drafter):
         self.unfed = unfed
         self.waiting = [w[min(len(new), w.shape[0]):] for w, new in zip(self.waiting, new_tokens)]
 
-    def select(self, rows) -> None:
-        idx = torch.tensor(rows, dtype=torch.long, device=self.ctx.device)
-        self.keys = [k[idx] for k in self.keys]
-        self.values = [v[idx] for v in self.values]
-        self.lengths = self.lengths[idx]
-        self.unfed = [self.unfed[r] for r in rows]
-        self.waiting = [self.waiting[r] for r in rows]
-
+    # per-row state (PerRow); caches of different sizes are padded to the larger on a join
+    row_fields = ("lengths", "unfed", "waiting")
+    layer_fields = ("keys", "values")
     joins = True
 
-    def join(self, other: "EagleDrafter") -> None:
+    def _join_more(self, other: "EagleDrafter") -> None:
         self.spare = max(self.spare, other.spare)  # the larger cache's last slot takes the padding
-        self.keys = [cat_rows(a, b) for a, b in zip(self.keys, other.keys)]
-        self.values = [cat_rows(a, b) for a, b in zip(self.values, other.values)]
-        self.lengths = torch.cat([self.lengths, other.lengths])
-        self.unfed += other.unfed
-        self.waiting += other.waiting
 
     def _step(self, embeds, hidden, positions, slots: torch.Tensor, width: int, mask: torch.Tensor):
         """One forward of the network for embeds, hidden [B, T, H] at positions [B, T]: its k/v

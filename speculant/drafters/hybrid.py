@@ -117,22 +117,13 @@ class HybridDrafter(Drafter):
         self.tree.update(new_tokens, n_accepted)
         self.lookup.update(new_tokens, n_accepted)
 
-    def select(self, rows) -> None:
-        self.tree.select(rows)
-        self.lookup.select(rows)
-        self.hits, self.judged = [self.hits[r] for r in rows], [self.judged[r] for r in rows]
-        self.last_chain = [self.last_chain[r] for r in rows]
+    # per-row state (PerRow): both inner drafters' rows, and how well the lookup does per row
+    row_fields = ("tree", "lookup", "hits", "judged", "last_chain")
 
     def fork(self) -> "HybridDrafter":
         other = super().fork()
         other.tree, other.lookup = self.tree.fork(), self.lookup.fork()
         return other
-
-    def join(self, other: "HybridDrafter") -> None:
-        self.tree.join(other.tree)
-        self.lookup.join(other.lookup)
-        self.hits, self.judged = self.hits + other.hits, self.judged + other.judged
-        self.last_chain = self.last_chain + other.last_chain
 
     def finish(self) -> None:
         self.tree.finish()

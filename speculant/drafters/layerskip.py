@@ -223,12 +223,10 @@ class LayerSkipDrafter(ModelDrafter):
         if self.history is not None:
             self.history.extend(new_tokens)
 
-    def select(self, rows) -> None:
-        if not self.shared:
-            return super().select(rows)
-        self.last = [self.last[r] for r in rows]
-        if self.history is not None:
-            self.history.select(rows)
+    @property
+    def row_fields(self) -> tuple[str, ...]:
+        """Per-row state (PerRow): in the target's cache, the batch moves that cache itself."""
+        return ("last", "history") if getattr(self, "shared", False) else ModelDrafter.row_fields
 
 
 def _make(spec: DrafterSpec, b: Build) -> LayerSkipDrafter:

@@ -53,13 +53,8 @@ class MedusaDrafter(Drafter):
     def update(self, new_tokens, n_accepted) -> None:
         pass  # the tree hangs under the pass's first token; the heads need only the hidden state
 
-    def select(self, rows) -> None:
-        self.last = self.last[torch.tensor(rows, dtype=torch.long, device=self.last.device)]
-
+    row_fields = ("last",)  # per-row state (PerRow)
     joins = True
-
-    def join(self, other: "MedusaDrafter") -> None:
-        self.last = torch.cat([self.last, other.last])
 
     @torch.no_grad()
     def propose(self, gamma: int) -> Proposal:

@@ -107,14 +107,7 @@ class ModelDrafter(Drafter):
         if self.history is not None:
             self.history.extend(new_tokens)
 
-    def select(self, rows) -> None:
-        idx = torch.tensor(rows, dtype=torch.long, device=self.ctx.device)
-        self.state.select(idx)
-        if self.block_start is not None:
-            self.block_start = self.block_start[idx]
-        self.to_feed = [self.to_feed[r] for r in rows]
-        if self.history is not None:
-            self.history.select(rows)
+    row_fields = ("state", "block_start", "to_feed", "history")  # per-row state (PerRow)
 
 
 def same_vocabulary(target_tok, draft_tok) -> bool:

@@ -105,19 +105,17 @@ class MTPDrafter(Drafter):
         if self.history is not None:
             self.history.extend(new_tokens)
 
-    def select(self, rows) -> None:
+    # per-row state (PerRow); the caches, which may not exist yet, are joined by hand
+    row_fields = ("text", "history")
+    layer_fields = ("done", "inputs")
+    joins = True
+
+    def _select_more(self, rows) -> None:
         idx = torch.tensor(rows, dtype=torch.long, device=self.ctx.device)
         for cache in self.caches:
             cache.take(idx)
-        self.done = [[d[r] for r in rows] for d in self.done]
-        self.inputs = [[x[r] for r in rows] for x in self.inputs]
-        self.text = [self.text[r] for r in rows]
-        if self.history is not None:
-            self.history.select(rows)
 
-    joins = True
-
-    def join(self, other: "MTPDrafter") -> None:
+    def _join_more(self, other: "MTPDrafter") -> None:
         for mine, theirs in zip(self.caches, other.caches):
             if mine.keys is None and theirs.keys is None:  # neither batch has drafted yet
                 mine.rows += theirs.rows
@@ -129,11 +127,6 @@ class MTPDrafter(Drafter):
             mine.keys, mine.values = cat_rows(mine.keys, theirs.keys), cat_rows(mine.values, theirs.values)
             mine.rows, mine.size = mine.keys.shape[0], mine.keys.shape[2]
         self.size = max(self.size, other.size)
-        self.done = [a + b for a, b in zip(self.done, other.done)]
-        self.inputs = [a + b for a, b in zip(self.inputs, other.inputs)]
-        self.text += other.text
-        if self.history is not None:
-            self.history.join(other.history)
 
     def _forward(self, layer: int, feeds: list[tuple[int, torch.Tensor, list[int]]]):
         """Layer ``layer`` over each row's (first position, input states [m, H], tokens [m]): writes

@@ -107,15 +107,8 @@ class NgramDrafter(Drafter):
         for row, toks in enumerate(new_tokens):
             self._extend(row, toks)
 
-    def select(self, rows) -> None:
-        self.texts = [self.texts[r] for r in rows]
-        self.index = [self.index[r] for r in rows]
-
+    row_fields = ("texts", "index")  # per-row state (PerRow)
     joins = True
-
-    def join(self, other: "NgramDrafter") -> None:
-        self.texts += other.texts
-        self.index += other.index
 
 
 def _vllm(spec, fixed):

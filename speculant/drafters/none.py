@@ -22,12 +22,12 @@ class NoDrafter(Drafter):
     def update(self, new_tokens, n_accepted) -> None:
         pass
 
-    def select(self, rows) -> None:
-        self.rows = len(rows)
-
     joins = True
 
-    def join(self, other: "NoDrafter") -> None:
+    def _select_more(self, rows) -> None:
+        self.rows = len(rows)  # a count, not a per-row field
+
+    def _join_more(self, other: "NoDrafter") -> None:
         self.rows += other.rows
 
 

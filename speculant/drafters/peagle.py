@@ -56,15 +56,7 @@ class PEagleDrafter(EagleDrafter):
         if self.history is not None:
             self.history.extend(new_tokens)
 
-    def select(self, rows) -> None:
-        super().select(rows)
-        if self.history is not None:
-            self.history.select(rows)
-
-    def join(self, other: "PEagleDrafter") -> None:
-        super().join(other)
-        if self.history is not None:
-            self.history.join(other.history)
+    row_fields = EagleDrafter.row_fields + ("history",)  # per-row state (PerRow)
 
     def _full_logits(self, normed: torch.Tensor) -> torch.Tensor:
         """Logits over the target's vocabulary [.., V] (-inf outside the draft vocabulary)."""

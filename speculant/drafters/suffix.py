@@ -111,19 +111,8 @@ class SuffixDrafter(Drafter):
                 if self.shared is not None:
                     self.shared.extend(self.seqs[row], toks, self.prompt_keys[row])
 
-    def select(self, rows) -> None:
-        self.local = [self.local[r] for r in rows]
-        self.texts = [self.texts[r] for r in rows]
-        self.seqs = [self.seqs[r] for r in rows]
-        self.prompt_keys = [self.prompt_keys[r] for r in rows]
-
+    row_fields = ("local", "texts", "seqs", "prompt_keys")  # per-row state (PerRow)
     joins = True
-
-    def join(self, other: "SuffixDrafter") -> None:
-        self.local += other.local
-        self.texts += other.texts
-        self.seqs += other.seqs
-        self.prompt_keys += other.prompt_keys
 
     def _best(self, row: int, budget: int) -> Draft:
         """The draft with the highest expected accepted length over the matched context lengths of

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..rows import PerRow
 from . import cpu_kernels, invariant, quantized
 from .cpu_kernels import PackedLinear
 from .invariant import FLinear, KeyLayout, RowLinear
@@ -513,7 +514,7 @@ def cat_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
-class StaticKVState:
+class StaticKVState(PerRow):
     """KVState's interface over a static cache: ``lengths`` pointers, ``rollback`` moves them.
 
     ``compile`` wraps the forward in ``torch.compile`` (CUDA graphs on GPU via reduce-overhead);
@@ -622,8 +623,9 @@ class StaticKVState:
                     by_slot.index_put_((rows, dst), by_slot[rows, src])
         self.ptr = start + 1 + n
 
-    def select(self, rows: torch.Tensor) -> None:
-        order = rows.tolist()
+    row_fields = ("ptr",)  # the caches themselves move in place (PerRow)
+
+    def _select_more(self, order: list[int]) -> None:
         if order == sorted(order):
             # keep the rows in place, moved up over the dropped ones: no new cache (a copy of every
             # layer's whole cache per finished row made batched decoding spend its time in the kernel)
@@ -634,13 +636,11 @@ class StaticKVState:
             n = len(order)
             self.keys, self.values = [k[:n] for k in self.keys], [v[:n] for v in self.values]
         else:
+            rows = torch.tensor(order, dtype=torch.long, device=self.keys[0].device)
             self.keys = [k[rows] for k in self.keys]
             self.values = [v[rows] for v in self.values]
-        self.ptr = self.ptr[rows]
 
-    joins = True
-
-    def join(self, other: "StaticKVState") -> None:
+    def _join_more(self, other: "StaticKVState") -> None:
         """Append ``other``'s rows (a new cache holding both: the larger size, padded), a layer at a
         time: each layer's old tensors go as its new one is made, so the join holds one layer more
         than the larger of the caches before and after, not both whole."""
@@ -651,7 +651,6 @@ class StaticKVState:
             for i in range(len(mine)):
                 mine[i] = cat_rows(mine[i], their[i])
                 their[i] = None
-        self.ptr = torch.cat([self.ptr, other.ptr])
         self.size, self.step = self.keys[0].shape[2], self.fast.forward  # a cache of its own: no captured graphs
         self.cache_key = None
 

@@ -16,6 +16,7 @@ import inspect
 
 import torch
 
+from ..rows import PerRow
 from . import invariant
 
 
@@ -26,7 +27,7 @@ def cache_keyword(forward) -> str:
     return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
-class KVState:
+class KVState(PerRow):
     def __init__(self, model: torch.nn.Module, batch_size: int):
         from transformers import DynamicCache  # a second or more to import; a model of it is loaded by now
 
@@ -113,10 +114,11 @@ class KVState:
         self._trim()
         self._maybe_compact()
 
-    def select(self, rows: torch.Tensor) -> None:
-        """Keep only the given rows (finished rows leave the batch)."""
-        self.cache.batch_select_indices(rows)
-        self.valid = self.valid[rows]
+    # the cache's rows move with the valid slots' (PerRow: a join pads both in front, see below)
+    def _select_more(self, rows: list[int]) -> None:
+        idx = torch.tensor(rows, dtype=torch.long, device=self.valid.device)
+        self.cache.batch_select_indices(idx)
+        self.valid = self.valid[idx]
         self._trim()
 
     @property
@@ -124,7 +126,7 @@ class KVState:
         """Rows of another state can join when every layer keeps its whole cache (not a sliding window)."""
         return all(type(layer).__name__ == "DynamicLayer" for layer in self.cache.layers)
 
-    def join(self, other: "KVState") -> None:
+    def _join_more(self, other: "KVState") -> None:
         """Append ``other``'s rows: both padded to the same columns with invalid (hidden) slots in
         front; positions come from each row's valid count, so they are unchanged."""
         width = max(self.length, other.length)

@@ -32,8 +32,7 @@ class _Recorder(Drafter):
     def update(self, new_tokens, n_accepted):
         pass
 
-    def select(self, rows):
-        self.slots = [self.slots[r] for r in rows]
+    row_fields = ("slots",)  # per-row state (PerRow)
 
     def propose(self, gamma):
         B = len(self.slots)
@@ -45,7 +44,7 @@ def self_distilled_features(target, prompts: list[list[int]], taps, max_new_toke
     """The target answers each prompt greedily (one batch); features of prompt + answer."""
     recorder = _Recorder(taps)
     engine = Engine(target.model, recorder, target.eos_token_ids, target.context_length, Backend(target.model, "auto"))
-    rows = drain(engine.run(Request(prompts, SamplingParams(), max_new_tokens, 0)))
+    rows = drain(engine.run(Request.same(prompts, SamplingParams(), max_new_tokens, 0)))
     out = []
     for prompt, row, hs in zip(prompts, rows, recorder.rows):
         ids = list(prompt) + row.tokens
