@@ -242,7 +242,7 @@ def test_queue_full_is_429_and_timeout_is_408(folder):
     s = Served(_gen(folder, "none"), max_batch_size=1, max_queue=1, request_timeout=30)
     held = HeldPasses(s)
     queued, submit = threading.Semaphore(0), s.scheduler.submit
-    s.scheduler.submit = lambda jobs: (submit(jobs), queued.release())  # a request's jobs are in
+    s.scheduler.submit = lambda *a, **kw: (submit(*a, **kw), queued.release())  # a request's jobs are in
     body = {"model": "tiny", "prompt": "w1 w2", "max_tokens": 8, "temperature": 0}
     try:
         with ThreadPoolExecutor(2) as pool:

@@ -154,10 +154,10 @@ def test_a_large_body_does_not_stall_health_or_other_requests(served, monkeypatc
 
     tokenising, health_answered, tokenise = threading.Event(), threading.Event(), prepare.chat_prompt
 
-    def held(generator, messages):
+    def held(*args, **kw):
         tokenising.set()
         health_answered.wait(15)
-        return tokenise(generator, messages)
+        return tokenise(*args, **kw)
 
     monkeypatch.setattr(prepare, "chat_prompt", held)
     big = chat(messages=[{"role": "user", "content": "w5 " * 340_000}])

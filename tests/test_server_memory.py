@@ -57,14 +57,17 @@ def rss() -> int:
 class PeakRSS:
     """The process's largest RSS, sampled every 5 ms while it runs."""
 
-    def __init__(self):
+    def __init__(self, held=None):
         self.peak, self.stop = 0, threading.Event()
+        self.held, self.peak_held = held, 0  # held(): bytes a memory account says are in use
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
         proc = psutil.Process()
         while not self.stop.is_set():
             self.peak = max(self.peak, proc.memory_info().rss)
+            if self.held is not None:
+                self.peak_held = max(self.peak_held, self.held())
             time.sleep(0.005)
 
     def __enter__(self):
@@ -189,14 +192,17 @@ def test_streams_that_disconnect_leave_no_memory_behind(wide):
             assert s.scheduler.idle()
 
         before = rss()
-        with PeakRSS() as peak:
+        with PeakRSS(lambda: s.scheduler.held) as peak:
             burst()
         after = rss()
         burst()
         again = rss()
         print(f"\ndisconnects: RSS {before / MIB:.0f} MiB before, peak +{(peak.peak - before) / MIB:.0f}, "
               f"+{(after - before) / MIB:.0f} after, +{(again - before) / MIB:.0f} after a second burst")
-        assert peak.peak - before > 200 * MIB  # the burst did hold its caches (30 rows of ~20 MiB)
+        # the burst did hold caches (rows of ~20 MiB; the streams leave after their first chunk, so a few
+        # run at once), as the server's account says: RSS need not grow by as much where the allocator
+        # reuses what earlier tests freed
+        assert max(peak.peak_held, s.scheduler.peak) > 50 * MIB, (peak.peak_held, s.scheduler.peak)
         assert after - before < 200 * MIB and again - before < 200 * MIB, (after - before, again - before)
     finally:
         s.close()
