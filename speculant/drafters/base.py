@@ -52,6 +52,22 @@ class Proposal:
     scores: torch.Tensor | None = None  # [B, γ] the drafter's estimate that the target's text passes each node
 
 
+def draft_slots(ctx, history, logits: torch.Tensor, n: int) -> Proposal:
+    """A block's n draft tokens from its slots' logits [B, >=n, V] (DFlash, P-EAGLE): each slot's q
+    processed with the drafts before it as context (``history``: a TokenHistory, or None)."""
+    proc, dev, B = ctx.processing, ctx.device, logits.shape[0]
+    drafts = torch.zeros(B, n, dtype=torch.long, device=dev)
+    probs = [] if not proc.greedy else None
+    for j in range(n):
+        context = history.after(drafts[:, :j]) if history is not None else None
+        tok, q = proc.pick(logits[:, j], context, ctx.generator, ctx.seeded, j)
+        drafts[:, j] = tok
+        if probs is not None:
+            probs.append(q)
+    lengths = torch.full((B,), n, dtype=torch.long, device=dev)
+    return Proposal(drafts, lengths, torch.stack(probs, 1) if probs else None)
+
+
 def tree_proposal(trees: list[tuple[list[int], list[int], list[float]]], device) -> Proposal:
     """Per row (tokens, parents, scores) of a best-first tree -> a padded tree Proposal (one-hot q)."""
     B, width = len(trees), max((len(t[0]) for t in trees), default=0)

@@ -17,7 +17,7 @@ from ..sampling import TokenHistory
 from ..trained import dflash as trained
 from ..trained.dflash import DFlashNet
 from ..trained.format import load_network
-from .base import DraftContext, Drafter, Proposal
+from .base import DraftContext, Drafter, Proposal, draft_slots
 from .model import fit_vocab
 from .spec import TrainedKind, TrainOption
 
@@ -116,20 +116,8 @@ class DFlashDrafter(Drafter):
 
     def _drafts(self, hidden: torch.Tensor, gamma: int) -> Proposal:
         """Slots 1..γ's drafts, each picked from its processed distribution q."""
-        B, K, dev = hidden.shape[0], self.net.block_size, self.ctx.device
         logits = fit_vocab(self.net.logits(hidden[:, 1:], self.head, self.ctx.vocab_size), self.ctx.vocab_size)
-        n = min(gamma, K - 1)
-        proc = self.ctx.processing
-        drafts = torch.zeros(B, n, dtype=torch.long, device=dev)
-        probs = [] if not proc.greedy else None
-        for j in range(n):  # each slot's q, processed with the drafts before it as context
-            context = self.history.after(drafts[:, :j]) if self.history is not None else None
-            tok, q = proc.pick(logits[:, j], context, self.ctx.generator, self.ctx.seeded, j)
-            drafts[:, j] = tok
-            if probs is not None:
-                probs.append(q)
-        lengths = torch.full((B,), n, dtype=torch.long, device=dev)
-        return Proposal(drafts, lengths, torch.stack(probs, 1) if probs else None)
+        return draft_slots(self.ctx, self.history, logits, min(gamma, self.net.block_size - 1))
 
 
 def _vllm(folder: str, cfg: dict, fixed: int | None) -> dict:

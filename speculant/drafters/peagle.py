@@ -16,7 +16,7 @@ import torch
 from ..sampling import TokenHistory
 from ..trained.format import default_taps, load_network, read_config, tensor_names
 from ..trained.peagle import PEagleNet
-from .base import DraftContext, Proposal
+from .base import DraftContext, Proposal, draft_slots
 from .eagle import BEAM, DEPTH, EagleDrafter
 from .spec import TrainedKind
 
@@ -94,20 +94,7 @@ class PEagleDrafter(EagleDrafter):
         self.unfed = [(f[:0], []) for f, _ in self.unfed]
         at = (counts - 1).clamp_min(0)[:, None] + torch.arange(n, device=dev)[None]  # the last pair, then the masks
         logits = self._full_logits(normed.gather(1, at[..., None].expand(-1, -1, normed.shape[-1])))
-        return self._pick(logits, n)
-
-    def _pick(self, logits: torch.Tensor, n: int) -> Proposal:
-        proc, dev, B = self.ctx.processing, self.ctx.device, logits.shape[0]
-        drafts = torch.zeros(B, n, dtype=torch.long, device=dev)
-        probs = [] if not proc.greedy else None
-        for j in range(n):  # each slot's q, processed with the drafts before it as context
-            context = self.history.after(drafts[:, :j]) if self.history is not None else None
-            tok, q = proc.pick(logits[:, j], context, self.ctx.generator, self.ctx.seeded, j)
-            drafts[:, j] = tok
-            if probs is not None:
-                probs.append(q)
-        lengths = torch.full((B,), n, dtype=torch.long, device=dev)
-        return Proposal(drafts, lengths, torch.stack(probs, 1) if probs else None)
+        return draft_slots(self.ctx, self.history, logits, n)
 
 
 def _vllm(folder: str, cfg: dict, fixed: int | None) -> dict:

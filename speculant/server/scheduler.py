@@ -176,12 +176,13 @@ class Scheduler:
 
     def _join_peak(self, running: list[Job], joiners: list[Job]) -> int:
         """The most a join holds at once: the larger of the batch's caches before and after (they
-        are rebuilt a layer at a time, so one layer's keys or values of the new one more), and the
+        are rebuilt a layer at a time; a new layer's keys or values, a row larger than the old ones,
+        fit in no hole until two old ones are freed beside each other: a layer more), and the
         joiners' own batch with its prefill."""
         after = self.charge(running + joiners)
         layers = getattr(getattr(getattr(self.gen, "target", None), "model", None), "config", None)
         layers = getattr(layers, "num_hidden_layers", None) or 1
-        return max(self.held, after) + after // (2 * layers) + self.charge(joiners)
+        return max(self.held, after) + after // layers + self.charge(joiners)
 
     def _charged(self, jobs: list[Job], joining: list[Job] | None = None) -> None:
         """The running batch's cache now holds these jobs' rows (``joining``: those that just joined)."""
@@ -319,7 +320,7 @@ class Scheduler:
                         if counted:  # the caches the join replaced go back (not kept for reuse)
                             self.gen.drop_idle()
                             self._charged([jobs[r] for r in batch.active], joiners)
-                            if self.charge(joiners) >= TRIM_AFTER:
+                            if self.held >= TRIM_AFTER:  # the replaced caches' pages: a larger cache fits no hole
                                 trim_heap()
                 t0 = time.monotonic()
                 for r, new in engine.step(batch):
