@@ -5,14 +5,10 @@
 Made benchmarks/results/cpu-AVX512BF16-2026-11-25-stacked-matmuls/batch8-tree-margin-bf16.json."""
 import sys, time, json
 import torch, speculant
-from speculant.bench.machine import machine_info
-from pathlib import Path
+from ab_common import prompts_by_category, save_results
 from speculant.controller import TreeGamma
 dtype = sys.argv[1]; margins = [float(x) for x in sys.argv[2].split(",")]; bs = int(sys.argv[3]) if len(sys.argv) > 3 else 8
-rows = [json.loads(l) for l in open(Path(speculant.__file__).parent / "bench" / "prompts" / "default.jsonl")]
-cats = {}
-for r in rows: cats.setdefault(r["category"], []).append(r["prompt"])
-prompts = [p for c in cats.values() for p in c[:3]]
+prompts = prompts_by_category(3)
 none = speculant.load("default", drafter="none", dtype=dtype)
 spec = speculant.load("default", drafter="eagle+ngram", dtype=dtype)
 methods = [("none", none, None)] + [(f"eagle+ngram m{m}", spec, m) for m in margins]
@@ -29,9 +25,4 @@ for rep in range(2):
 for name, (n, sec, passes) in acc.items():
     print(f"batch {bs} {dtype} {name:18s} {n/sec:6.1f} tok/s  τ {n/passes:.2f}")
 
-import os
-OUT_JSON = os.environ.get("OUT_JSON")
-if OUT_JSON:
-    json.dump({"argv": sys.argv, "machine": machine_info(),
-               "results": {" | ".join(map(str, k)) if isinstance(k, tuple) else k: v for k, v in acc.items()}},
-              open(OUT_JSON, "w"), indent=1)
+save_results(acc)

@@ -5,14 +5,10 @@
 Made benchmarks/results/cpu-AVX512BF16-2026-11-25-stacked-matmuls/stacking-ab-*.json."""
 import sys, time, json
 import torch, speculant
-from speculant.bench.machine import machine_info
-from pathlib import Path
+from ab_common import prompts_by_category, save_results
 from speculant.models import cpu_kernels
 dtype = sys.argv[1]; drafters = sys.argv[2].split(",")
-rows = [json.loads(l) for l in open(Path(speculant.__file__).parent / "bench" / "prompts" / "default.jsonl")]
-cats = {}
-for r in rows: cats.setdefault(r["category"], []).append(r["prompt"])
-prompts = [p for c in cats.values() for p in c[:2]]
+prompts = prompts_by_category(2)
 gens = {}
 real_exact, real_stacked = cpu_kernels.stacking_is_exact, dict(cpu_kernels.STACKED)
 for variant in ("separate", "stacked"):
@@ -37,9 +33,4 @@ for i, p in enumerate(prompts):
 for k, (n, sec, passes, dsec) in acc.items():
     print(f"{k[0]:9s} {k[1]:12s} {n/sec:6.1f} tok/s  τ {n/passes:.2f}  drafting {dsec/passes*1e3:.2f} ms/pass")
 
-import os
-OUT_JSON = os.environ.get("OUT_JSON")
-if OUT_JSON:
-    json.dump({"argv": sys.argv, "machine": machine_info(),
-               "results": {" | ".join(map(str, k)) if isinstance(k, tuple) else k: v for k, v in acc.items()}},
-              open(OUT_JSON, "w"), indent=1)
+save_results(acc)

@@ -34,9 +34,16 @@ class PerRow:
             raise NotImplementedError(f"{type(self).__name__} cannot take rows of another batch")
         for name in self.row_fields:
             setattr(self, name, concat(getattr(self, name), getattr(other, name)))
-        for name in self.layer_fields:
+        for name in self.layer_fields:  # a layer at a time: each old one goes as its new one is made
             mine, theirs = getattr(self, name), getattr(other, name)
-            setattr(self, name, None if mine is None else [concat(a, b) for a, b in zip(mine, theirs)])
+            if mine is None:
+                continue
+            mine, theirs = list(mine), list(theirs)  # never lists another owner holds
+            setattr(self, name, mine)
+            setattr(other, name, None)
+            for i in range(len(mine)):
+                mine[i] = concat(mine[i], theirs[i])
+                theirs[i] = None
         self._join_more(other)
 
     def _select_more(self, rows: list[int]) -> None:

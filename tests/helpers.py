@@ -1,6 +1,9 @@
 """Tiny random-weight models and comparison helpers for the tests (no downloads)."""
 from __future__ import annotations
 
+import json
+
+import httpx
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -165,3 +168,37 @@ def tiny_deepseek(version: int = 3, seed: int = 0, layers: int = 2, mtp_layers: 
     model.eval()
     model.generation_config.pad_token_id = 0
     return model
+
+
+# ---- OpenAI-style requests to a served tiny model, and the errors they must get ----
+C, H = "/v1/completions", "/v1/chat/completions"
+# what an error message must never show: a traceback, a library's words, a Python repr
+LEAKS = ("Traceback", "Input should", "pydantic", "validation error", "lmformatenforcer", "TextEncodeInput",
+         "unpack", "<class", "Exception", "internal error")
+
+
+def completion(**kw):
+    return {"model": "tiny", "prompt": "w5 w6 w7", "max_tokens": 4, "temperature": 0} | kw
+
+
+def chat(**kw):
+    return {"model": "tiny", "messages": [{"role": "user", "content": "w5 w6"}], "max_tokens": 4} | kw
+
+
+def post_json(url: str, body, **kw) -> httpx.Response:
+    """POST ``body`` (JSON, NaN allowed; or raw bytes) as a client would."""
+    content = body if isinstance(body, bytes) else json.dumps(body, allow_nan=True).encode()
+    return httpx.post(url, content=content, headers={"content-type": "application/json"}, timeout=60, **kw)
+
+
+def assert_openai_error(r: httpx.Response, status: int, names: str | None = None) -> dict:
+    """``r`` is an error in OpenAI's shape with this status: one clean line, naming ``names``."""
+    assert r.status_code == status, (r.status_code, r.text[:300])
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and isinstance(err["type"], str), err
+    message = err["message"]
+    assert isinstance(message, str) and message and "\n" not in message and len(message) < 400, message
+    assert not any(leak in message for leak in LEAKS), message
+    if names:
+        assert names in message or names in (err["param"] or ""), err
+    return err

@@ -28,12 +28,9 @@ from hypothesis import strategies as st
 import speculant
 from speculant.errors import SpeculantError
 from speculant.sampling import Context, LogitsProcessing, SamplingParams
-from helpers import Served, save_tiny_folder
+from helpers import C, H, Served, assert_openai_error, chat, completion, post_json, save_tiny_folder
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}w3"
-LEAKS = ("Traceback", "Input should", "pydantic", "validation error", "lmformatenforcer", "unpack", "<class",
-         "Exception", "internal error")
-C, H = "/v1/completions", "/v1/chat/completions"
 
 
 @pytest.fixture(scope="module")
@@ -53,30 +50,6 @@ def served(gen):
     s = Served(gen)
     yield s
     s.close()
-
-
-def completion(**kw):
-    return {"model": "tiny", "prompt": "w5 w6 w7", "max_tokens": 4, "temperature": 0} | kw
-
-
-def chat(**kw):
-    return {"model": "tiny", "messages": [{"role": "user", "content": "w5 w6"}], "max_tokens": 4} | kw
-
-
-def _post(url: str, body) -> httpx.Response:
-    content = body if isinstance(body, bytes) else json.dumps(body, allow_nan=True).encode()
-    return httpx.post(url, content=content, headers={"content-type": "application/json"}, timeout=60)
-
-
-def assert_clean_error(r: httpx.Response, status: int, names: str | None = None) -> dict:
-    assert r.status_code == status, (r.status_code, r.text[:300])
-    err = r.json()["error"]
-    message = err["message"]
-    assert isinstance(message, str) and message and "\n" not in message and len(message) < 400, message
-    assert not any(leak in message for leak in LEAKS), message
-    if names:
-        assert names in message or names in (err["param"] or ""), err
-    return err
 
 
 # ---- sampling at the extremes ----
@@ -141,7 +114,7 @@ def test_a_tiny_temperature_generates_the_greedy_text(gen):
 def test_the_server_generates_at_every_valid_extreme(served, kw):
     for path, body in ((C, completion(**kw)), (H, chat(**kw, stream=True))):
         t0 = time.monotonic()
-        r = _post(served.url + path, body)
+        r = post_json(served.url + path, body)
         assert r.status_code == 200, (kw, r.text[:300])
         assert time.monotonic() - t0 < 10
 
@@ -188,7 +161,7 @@ HOSTILE = [
 def test_the_second_table_of_hostile_requests_gets_openai_words_within_a_second(served):
     for path, body, names in HOSTILE:
         t0 = time.monotonic()
-        assert_clean_error(_post(served.url + path, body), 400, names)
+        assert_openai_error(post_json(served.url + path, body), 400, names)
         assert time.monotonic() - t0 < 1.0, (body, time.monotonic() - t0)
     assert httpx.get(served.url + "/health", timeout=10).status_code == 200
 
@@ -216,9 +189,9 @@ def test_random_numbers_and_schemas_never_get_a_5xx(served, changes, schema, str
         body["n"] = max(1, min(body["n"], 3))
     if schema is not None:
         body["response_format"] = {"type": "json_schema", "json_schema": {"schema": schema}}
-    r = _post(served.url + H, body)
+    r = post_json(served.url + H, body)
     if r.status_code != 200:
-        assert_clean_error(r, r.status_code)
+        assert_openai_error(r, r.status_code)
         assert 400 <= r.status_code < 500
     elif stream:
         assert "server_error" not in r.text, r.text[:300]
@@ -267,7 +240,7 @@ def test_tool_choice_required_and_named_give_tool_calls(served_chars):
                                           {"ping"}, "stop")):
         body = chat(model="tiny", messages=[{"role": "user", "content": "call a tool"}], tools=tools,
                     tool_choice=choice, max_tokens=80, temperature=0)
-        r = _post(url, body)
+        r = post_json(url, body)
         assert r.status_code == 200, r.text[:300]
         choice0 = r.json()["choices"][0]
         msg = choice0["message"]
@@ -285,7 +258,7 @@ def test_tool_choice_required_and_named_give_tool_calls(served_chars):
     # a function with parameters: arguments that follow them (or the output cut short by max_tokens)
     body = chat(messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER],
                 tool_choice={"type": "function", "function": {"name": "weather"}}, max_tokens=120, temperature=0)
-    choice0 = _post(url, body).json()["choices"][0]
+    choice0 = post_json(url, body).json()["choices"][0]
     call = choice0["message"]["tool_calls"][0]["function"]
     if choice0["finish_reason"] == "stop":
         assert isinstance(json.loads(call["arguments"])["city"], str)
@@ -294,7 +267,7 @@ def test_tool_choice_required_and_named_give_tool_calls(served_chars):
 
 
 def test_tool_choice_none_answers_in_text(served):
-    r = _post(served.url + H, chat(tools=[WEATHER], tool_choice="none"))
+    r = post_json(served.url + H, chat(tools=[WEATHER], tool_choice="none"))
     assert r.status_code == 200 and "tool_calls" not in r.json()["choices"][0]["message"], r.text[:300]
 
 
@@ -304,7 +277,7 @@ def test_a_conversation_with_tool_calls_and_answers_renders(served):
                                                                         "function": {"name": "weather",
                                                                                      "arguments": "{}"}}]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "w7"}]
-    r = _post(served.url + H, chat(messages=messages))
+    r = post_json(served.url + H, chat(messages=messages))
     assert r.status_code == 200, r.text[:300]
 
 
@@ -434,8 +407,8 @@ def test_a_schema_past_its_time_limit_is_refused_and_its_worker_ends(gen, monkey
     s = Served(gen, schema_seconds=0.5)
     try:
         t0 = time.monotonic()
-        r = _post(s.url + H, chat(response_format={"type": "json_object"}))
-        assert_clean_error(r, 400, "longer than 0.5 s")
+        r = post_json(s.url + H, chat(response_format={"type": "json_object"}))
+        assert_openai_error(r, 400, "longer than 0.5 s")
         assert time.monotonic() - t0 < 3
         time.sleep(0.5)
         assert not [t for t in threading.enumerate() if t.name == "speculant-prepare"]
@@ -456,7 +429,7 @@ def test_a_slow_schema_does_not_delay_a_request_running_meanwhile(gen, monkeypat
         alone = []
         for _ in range(3):
             t0 = time.monotonic()
-            assert _post(s.url + C, body).status_code == 200
+            assert post_json(s.url + C, body).status_code == 200
             alone.append(time.monotonic() - t0)
         usual = sorted(alone)[1]
         prepare = constrain.SchemaProcessor.prepare
@@ -469,12 +442,12 @@ def test_a_slow_schema_does_not_delay_a_request_running_meanwhile(gen, monkeypat
 
         monkeypatch.setattr(constrain.SchemaProcessor, "prepare", slow)
         done = {}
-        worker = threading.Thread(target=lambda: done.setdefault("r", _post(s.url + H, chat(
+        worker = threading.Thread(target=lambda: done.setdefault("r", post_json(s.url + H, chat(
             response_format={"type": "json_object"}, max_tokens=8))))
         worker.start()
         time.sleep(0.3)  # the schema is being prepared
         t0 = time.monotonic()
-        assert _post(s.url + C, body).status_code == 200
+        assert post_json(s.url + C, body).status_code == 200
         meanwhile = time.monotonic() - t0
         worker.join()
         assert done["r"].status_code == 200, done["r"].text[:300]

@@ -16,11 +16,9 @@ from hypothesis import strategies as st
 import speculant
 from speculant.limits import MAX_GAMMA
 from speculant.server.requests import ChatRequest, CompletionRequest, validation_message
-from helpers import Served, save_tiny_folder
+from helpers import C, H, Served, assert_openai_error, chat, completion, post_json, save_tiny_folder
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}w3"
-LEAKS = ("Traceback", "lmformatenforcer", "TextEncodeInput", "pydantic", "errors.pydantic", "validation error for",
-         "internal error: ", "Exception", "unpack", "<class")
 
 
 @pytest.fixture(scope="module")
@@ -33,15 +31,6 @@ def served(tmp_path_factory):
     s.close()
 
 
-def completion(**kw):
-    return {"model": "tiny", "prompt": "w5 w6 w7", "max_tokens": 4, "temperature": 0} | kw
-
-
-def chat(**kw):
-    return {"model": "tiny", "messages": [{"role": "user", "content": "w5 w6"}], "max_tokens": 4} | kw
-
-
-C, H = "/v1/completions", "/v1/chat/completions"
 DEEP = "[" * 100_000 + "]" * 100_000
 HOSTILE = [  # (endpoint, body: a dict sent as JSON or raw bytes, status, what the message or param names)
     # γ: the remote crash (a million drafts a pass), and its neighbours
@@ -91,30 +80,13 @@ HOSTILE = [  # (endpoint, body: a dict sent as JSON or raw bytes, status, what t
 ]
 
 
-def _post(url: str, body, **kw) -> httpx.Response:
-    content = body if isinstance(body, bytes) else json.dumps(body, allow_nan=True).encode()
-    return httpx.post(url, content=content, headers={"content-type": "application/json"}, timeout=60, **kw)
-
-
-def assert_openai_error(r: httpx.Response, status: int, names: str | None = None) -> dict:
-    assert r.status_code == status, (r.status_code, r.text[:300])
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"} and isinstance(err["type"], str), err
-    message = err["message"]
-    assert isinstance(message, str) and message and "\n" not in message and len(message) < 400, message
-    assert not any(leak in message for leak in LEAKS), message
-    if names:
-        assert names in message or names in (err["param"] or ""), err
-    return err
-
-
 def test_the_table_of_hostile_requests_gets_clean_4xx_and_the_server_survives(served):
     assert len(HOSTILE) >= 50
     process = psutil.Process()
     before = process.memory_info().rss
     for rounds in range(2):  # twice: memory must not grow with the number of bad requests
         for path, body, status, names in HOSTILE:
-            assert_openai_error(_post(served.url + path, body), status, names)
+            assert_openai_error(post_json(served.url + path, body), status, names)
             assert httpx.get(served.url + "/health", timeout=10).status_code == 200
         if rounds == 0:
             after_one = process.memory_info().rss
@@ -140,7 +112,7 @@ def test_random_bodies_never_get_a_5xx(served, path, changes):
     body = (completion() if path == C else chat()) | changes
     if isinstance(body.get("max_tokens"), int) and not isinstance(body["max_tokens"], bool):
         body["max_tokens"] = min(body["max_tokens"], 8)  # keep valid ones short
-    r = _post(served.url + path, body)
+    r = post_json(served.url + path, body)
     if r.status_code != 200:
         assert_openai_error(r, r.status_code)
         assert 400 <= r.status_code < 500
@@ -162,7 +134,7 @@ def test_a_large_body_does_not_stall_health_or_other_requests(served, monkeypatc
     monkeypatch.setattr(prepare, "chat_prompt", held)
     big = chat(messages=[{"role": "user", "content": "w5 " * 340_000}])
     result = {}
-    worker = threading.Thread(target=lambda: result.setdefault("response", _post(served.url + H, big)))
+    worker = threading.Thread(target=lambda: result.setdefault("response", post_json(served.url + H, big)))
     worker.start()
     try:
         assert tokenising.wait(30), "the prompt was never tokenised through prepare.chat_prompt"
@@ -178,9 +150,9 @@ def test_a_request_beyond_the_memory_budget_is_refused_up_front(served):
     budget = gen.memory_budget
     try:
         gen.memory_budget = gen.memory_needed(2, 3, 40, "auto") - 1  # two rows fit no more
-        err = assert_openai_error(_post(served.url + C, completion(max_tokens=40, n=2)), 400, "max_tokens")
+        err = assert_openai_error(post_json(served.url + C, completion(max_tokens=40, n=2)), 400, "max_tokens")
         assert "one request may use here" in err["message"]
-        one = _post(served.url + C, completion(max_tokens=40))
+        one = post_json(served.url + C, completion(max_tokens=40))
         assert one.status_code == 200, one.text
     finally:
         gen.memory_budget = budget

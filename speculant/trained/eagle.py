@@ -24,7 +24,7 @@ from torch import nn
 
 from .blocks import Layer, RMSNorm, copy_target_head, inv_freq, rope
 from .format import SPECULATORS_VERSION, layer_config, speculators_config, target_fingerprint
-from .losses import GreedyRuns, as_batch, head_kl
+from .losses import GreedyRuns, answer_rows, as_batch, head_kl, judged_steps
 
 
 class EagleFirstLayer(Layer):
@@ -194,26 +194,18 @@ class EagleTrainer:
         ``decay``^k. ``final`` [B, T, Ht]: the target's final normed states (its distributions, which
         EAGLE learns whole: ``labels``, its choices, are not read). Returns (loss or None if no row
         has a token to learn, answer rows)."""
-        n = ids.shape[1] - 1
-        first = (loss_from - 1).clamp_min(0)
-        last = lengths - 1  # rows < last - k have a token for step k
-        if int((last - first).max()) < 1:
+        judged = judged_steps(ids.shape[1] - 1, loss_from, lengths, self.steps, self.decay)
+        if judged is None:
             return None, 0
-        rows = torch.arange(n, device=ids.device)[None]
-        live = [((rows >= first[:, None]) & (rows < (last - k)[:, None]))[:, : n - k] for k in range(self.steps)]
-        counts = [x.sum(1) for x in live]
-        weight = sum(self.decay ** k * (c > 0) for k, c in enumerate(counts))
-        some = weight > 0
-        share = some / weight.clamp_min(1e-12) / some.sum()  # each sequence's part of the mean
         states, targets, weights = [], [], []
-        for k, (normed, _) in enumerate(self._run_batch(ids, aux, self.steps, own_tokens=False)):
-            b, i = live[k].nonzero(as_tuple=True)  # step k's row i is judged on the target at i + 1 + k
+        for k, ((normed, _), (b, i, w)) in enumerate(zip(self._run_batch(ids, aux, self.steps, own_tokens=False),
+                                                         judged)):
             states.append(normed[b, i])
             targets.append(final[b, i + 1 + k])
-            weights.append((self.decay ** k * share / counts[k].clamp_min(1))[b])
+            weights.append(w)
         loss = head_kl(torch.cat(states), self.net.lm_head.weight, torch.cat(targets), self.target_rows,
                        torch.cat(weights))  # one call for every step: one gradient of the LM head held
-        return loss, int((last - first).clamp_min(0).sum())
+        return loss, answer_rows(loss_from, lengths)
 
     @torch.no_grad()
     def evaluate(self, features, rng: random.Random) -> dict:

@@ -124,3 +124,30 @@ def as_batch(f, device) -> tuple:
     final = f.final[None].to(device) if f.final is not None else None
     return (f.ids[None].to(device), f.hidden[None].to(device), final, torch.tensor([f.loss_from], device=device),
             torch.tensor([len(f.ids)], device=device), f.labels[None].to(device))
+
+
+def judged_steps(n: int, loss_from: torch.Tensor, lengths: torch.Tensor, steps: int, decay: float) -> list | None:
+    """Which rows a test-time-training step judges, and their weights, over B right-padded
+    sequences (``lengths`` real tokens, learnt from ``loss_from``; ``n``: rows with a next token):
+    per step k, (sequence b, row i, weight) where row i is judged on the target at i + 1 + k; each
+    sequence counts equally, each step within it ``decay``^k, its rows share their step's part.
+    None where no row has a token to learn."""
+    first, last = (loss_from - 1).clamp_min(0), lengths - 1  # rows < last - k have a token for step k
+    if int((last - first).max()) < 1:
+        return None
+    rows = torch.arange(n, device=lengths.device)[None]
+    live = [((rows >= first[:, None]) & (rows < (last - k)[:, None]))[:, : n - k] for k in range(steps)]
+    counts = [x.sum(1) for x in live]
+    weight = sum(decay ** k * (c > 0) for k, c in enumerate(counts))
+    some = weight > 0
+    share = some / weight.clamp_min(1e-12) / some.sum()  # each sequence's part of the mean
+    out = []
+    for k in range(steps):
+        b, i = live[k].nonzero(as_tuple=True)
+        out.append((b, i, (decay ** k * share / counts[k].clamp_min(1))[b]))
+    return out
+
+
+def answer_rows(loss_from: torch.Tensor, lengths: torch.Tensor) -> int:
+    """The rows a batch of sequences learns from."""
+    return int((lengths - 1 - (loss_from - 1).clamp_min(0)).clamp_min(0).sum())

@@ -42,7 +42,7 @@ from torch import nn
 from ..errors import SpeculantError
 from ..models.kv import cache_keyword
 from .format import SPECULATORS_VERSION, layer_config, speculators_config, target_fingerprint
-from .losses import GreedyRuns, as_batch, head_kl
+from .losses import GreedyRuns, answer_rows, as_batch, head_kl, judged_steps
 
 
 @dataclass(frozen=True)
@@ -402,25 +402,18 @@ class MTPTrainer:
         """The mean over B right-padded sequences of each one's loss (see the class); ``final``: the
         target's final normed states [B, T, H], its input and its distributions. Returns (loss or
         None if no row has a token to learn, answer rows)."""
-        n = ids.shape[1] - 1
-        first, last = (loss_from - 1).clamp_min(0), lengths - 1
-        if int((last - first).max()) < 1:
+        judged = judged_steps(ids.shape[1] - 1, loss_from, lengths, self.steps, self.decay)
+        if judged is None:
             return None, 0
-        rows = torch.arange(n, device=ids.device)[None]
-        live = [((rows >= first[:, None]) & (rows < (last - k)[:, None]))[:, : n - k] for k in range(self.steps)]
-        counts = [x.sum(1) for x in live]
-        weight = sum(self.decay ** k * (c > 0) for k, c in enumerate(counts))
-        some = weight > 0
-        share = some / weight.clamp_min(1e-12) / some.sum()
         states, targets, weights = [], [], []
-        for k, (normed, _) in enumerate(self._run_batch(ids, final, self.steps, own_tokens=False)):
-            b, i = live[k].nonzero(as_tuple=True)
+        for k, ((normed, _), (b, i, w)) in enumerate(zip(self._run_batch(ids, final, self.steps, own_tokens=False),
+                                                         judged)):
             states.append(normed[b, i])
             targets.append(final[b, i + 1 + k])
-            weights.append((self.decay ** k * share / counts[k].clamp_min(1))[b])
+            weights.append(w)
         w = self.head.weight
         loss = head_kl(torch.cat(states), w, torch.cat(targets), w, torch.cat(weights))
-        return loss, int((last - first).clamp_min(0).sum())
+        return loss, answer_rows(loss_from, lengths)
 
     @torch.no_grad()
     def evaluate(self, features, rng: random.Random) -> dict:
