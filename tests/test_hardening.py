@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 import speculant
 from speculant.errors import SpeculantError
 from speculant.sampling import Context, LogitsProcessing, SamplingParams
-from helpers import C, H, Served, assert_openai_error, chat, completion, post_json, save_tiny_folder
+from helpers import LEAKS, C, H, Served, assert_openai_error, chat, completion, post_json, save_tiny_folder
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}w3"
 
