@@ -3,8 +3,8 @@
     OUT_JSON=batch8-tree-margin-bf16.json python scripts/batch8_tree_margin.py bfloat16 0.9,1.0
 
 Made benchmarks/results/cpu-AVX512BF16-2026-11-25-stacked-matmuls/batch8-tree-margin-bf16.json."""
-import sys, time, json
-import torch, speculant
+import sys, time
+import speculant
 from ab_common import prompts_by_category, save_results
 from speculant.controller import TreeGamma
 dtype = sys.argv[1]; margins = [float(x) for x in sys.argv[2].split(",")]; bs = int(sys.argv[3]) if len(sys.argv) > 3 else 8

@@ -3,8 +3,8 @@
     OUT_JSON=stacking-ab-bf16.json python scripts/stacking_ab.py bfloat16 none,eagle+ngram
 
 Made benchmarks/results/cpu-AVX512BF16-2026-11-25-stacked-matmuls/stacking-ab-*.json."""
-import sys, time, json
-import torch, speculant
+import sys
+import speculant
 from ab_common import prompts_by_category, save_results
 from speculant.models import cpu_kernels
 dtype = sys.argv[1]; drafters = sys.argv[2].split(",")
