@@ -80,12 +80,15 @@ def machine_of(name: str, manifest: dict, results: Path) -> dict:
     if not path.is_file():
         path = results / name / "serve_load.json"
     machine = _json(path).get("machine") if path.is_file() else None
-    if isinstance(machine, dict) and machine.get("cpu_class"):
-        return {"cpu_class": machine["cpu_class"], "cpu": machine["cpu"], "inferred": False}
     top = name.split("/")[0]
-    for prefix, entry in manifest["machines"].items():
-        if top.startswith(prefix):
-            return {**entry, "inferred": True}
+    known = next((entry for prefix, entry in manifest["machines"].items() if top.startswith(prefix)), None)
+    if isinstance(machine, dict) and machine.get("cpu_class"):
+        # the manifest's words for that machine where they name the same class (a VM's model name
+        # alone, "AMD EPYC", says neither the generation nor the ISA)
+        same = known is not None and known["cpu_class"] == machine["cpu_class"]
+        return {"cpu_class": machine["cpu_class"], "cpu": known["cpu"] if same else machine["cpu"], "inferred": False}
+    if known is not None:
+        return {**known, "inferred": True}
     raise TableError(f"{name}: its results record no CPU class and no manifest 'machines' prefix matches it")
 
 
@@ -155,11 +158,12 @@ def sweep_table(spec: dict, ctx: dict) -> str:
 
 
 def weights(ran: dict) -> str:
-    """The weights a run multiplied with: its dtype, or "quantized" where its kernels were (their
-    activations are float32, so the backend's dtype alone reads float32); a CPU bench's default
-    (no dtype given) is float32."""
-    if str(ran.get("cpu_kernels", "")).startswith("quantized"):
-        return "quantized"
+    """The weights a run multiplied with: its dtype, or "quantized" / "q8" where those kernels ran
+    (the backend's dtype alone reads float32 there); a CPU bench's default (no dtype given) is
+    float32."""
+    mode = str(ran.get("cpu_kernels", "")).split(" ")[0]
+    if mode in ("quantized", "q8"):
+        return mode
     return ran.get("dtype") or "float32"
 
 
