@@ -13,12 +13,12 @@ import torch
 from .drafters import Drafter, ModelDrafter, make_drafter
 from .drafters.model import MODEL
 from .drafters.registry import kind_of
-from .engine import Batch, Engine, Request, Row, RowRequest
+from .engine import Batch, Engine, Request, Row, RowRequest, seeded_row
 from .errors import SpeculantError
 from .limits import MAX_GAMMA, MAX_LOGPROBS, MEMORY_SHARE, check_int, check_stop, check_text, gib
 from .models.backend import Backend
 from .models.loading import LoadedModel
-from .sampling import SamplingParams, row_seed
+from .sampling import SamplingParams
 
 GAMMA_AUTO = "auto"  # the default: chosen each pass from measured acceptance and costs (controller.py)
 
@@ -106,10 +106,10 @@ def _rows_request(prompt_ids: list[list[int]], gamma, seed, cancelled, **setting
     n = len(prompt_ids)
     columns = [list(v) if isinstance(v, list) else [v] * n for v in settings.values()]
     by_row = [dict(zip(settings, values)) for values in zip(*columns)]
-    seeds = seed if isinstance(seed, list) else [seed if seed is None else row_seed(seed, r) for r in range(n)]
-    rows = [RowRequest(list(p), seed=None if s["params"].greedy else row_s,
+    rows = [RowRequest(list(p), seed=(None if s["params"].greedy else seed[r]) if isinstance(seed, list)
+                       else seeded_row(s["params"], seed, r),
                        cancelled=None if cancelled is None else functools.partial(cancelled, r), **s)
-            for r, (p, s, row_s) in enumerate(zip(prompt_ids, by_row, seeds))]
+            for r, (p, s) in enumerate(zip(prompt_ids, by_row))]
     return Request(rows, gamma, seed=seed if isinstance(seed, int) else None)
 
 

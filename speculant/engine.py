@@ -330,8 +330,7 @@ class Engine:
         if not keep:
             b.done, b.slots = True, []
         elif len(keep) < len(b.slots):
-            b.shrink(keep)
-        self.slots = b.active
+            b.select(keep)
 
     def _take(self, row: Row, new: list[int]) -> list[int]:
         """What of ``new`` the row keeps; sets its finish_reason where it ends."""
@@ -499,7 +498,7 @@ class Slot:
 class Batch(PerRow):
     """Rows generating together: one KV state, one drafter state, one γ control. The one owner of
     the running rows: every part that keeps per-row data is one of its ``row_fields`` (and declares
-    its own: speculant/rows.py), so rows leave as they finish (``shrink``) and the rows of another
+    its own: speculant/rows.py), so rows leave as they finish (``select``) and the rows of another
     batch with the same γ setting join it between passes (``join``) here, in one place; a server
     decodes requests that arrive at different times as one batch. ``slots``: the running rows, in
     the order of the state's rows."""
@@ -531,10 +530,6 @@ class Batch(PerRow):
     def parts(self) -> list[PerRow]:
         """The batch's components with per-row data of their own."""
         return [part for part in (getattr(self, k) for k in self.row_fields) if isinstance(part, PerRow)]
-
-    def shrink(self, keep: list[int]) -> None:
-        """Only these slots go on (the other rows finished)."""
-        self.select(keep)
 
     @property
     def accepts_rows(self) -> bool:
