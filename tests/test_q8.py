@@ -75,14 +75,24 @@ def test_a_rows_quantization_is_the_references(q8_kernels):
     assert q[4, 1:6].tolist() == [2, 4, 0, -2, 0]
 
 
+def _as_halves(w: QuantWeight) -> QuantWeight:
+    """``w`` with scales and mins rounded to float16, as GGUF's Q4_0, Q4_1 and Q8_0 store them."""
+    return QuantWeight(w.codes, w.scale.half().float(), w.min.half().float(), w.bits, w.source)
+
+
 @needs_kernel
 @pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("half_scales", [False, True])
 @pytest.mark.parametrize("out_features,in_features,bias", [(96, 64, False), (150, 544, True), (13, 32, False)])
-def test_int8_linear_width_invariant_and_the_integer_reference(q8_kernels, bits, out_features, in_features, bias):
+def test_int8_linear_width_invariant_and_the_integer_reference(q8_kernels, bits, half_scales, out_features,
+                                                                in_features, bias):
     g = torch.Generator().manual_seed(bits)
     w = QuantWeight.quantize(torch.randn(out_features, in_features, generator=g), bits)
+    w = _as_halves(w) if half_scales else w
     b = torch.randn(out_features, generator=g) if bias else None
     lin = QuantLinear(w, b, int8=True)
+    # bytes a block of 16 outputs: scales (and mins) in float16 where they are halves
+    assert lin.args[0].shape[-1] == {(4, False): 384, (4, True): 320, (8, False): 576, (8, True): 544}[bits, half_scales]
     x = torch.randn(70, in_features, generator=g)
     alone = torch.cat([lin(x[i : i + 1]) for i in range(len(x))])
     for m in list(range(1, 18)) + [31, 32, 33, 64, 70]:
@@ -95,6 +105,18 @@ def test_int8_linear_width_invariant_and_the_integer_reference(q8_kernels, bits,
 
 
 @needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+def test_float16_scales_give_the_float32_layouts_bits(q8_kernels, bits):
+    g = torch.Generator().manual_seed(3)
+    w = _as_halves(QuantWeight.quantize(torch.randn(150, 544, generator=g) * 3, bits))
+    x = torch.randn(11, 544, generator=g)
+    halves, floats = QuantLinear(w, int8=True), QuantLinear(w, int8=True)
+    floats.args = [quantized.pack_int8(w, half=False), floats.args[1]]
+    assert halves.args[0].numel() < floats.args[0].numel()
+    assert torch.equal(halves(x), floats(x))
+
+
+@needs_kernel
 def test_every_isa_branch_gives_the_same_int8_bits(monkeypatch):
     import platform
 
@@ -102,8 +124,9 @@ def test_every_isa_branch_gives_the_same_int8_bits(monkeypatch):
         pytest.skip("ISA flags for x86 only")
     g = torch.Generator().manual_seed(11)
     outs = {}
-    for bits in (4, 8):
-        w = QuantWeight.quantize(torch.randn(150, 544, generator=g), bits)
+    for bits in (4, 8, "4 half", "8 half"):
+        w = QuantWeight.quantize(torch.randn(150, 544, generator=g), int(str(bits)[0]))
+        w = _as_halves(w) if "half" in str(bits) else w
         x = torch.randn(9, 544, generator=g)
         for name, flags in Q8_ISA.items():
             module = quantized.build(flags)

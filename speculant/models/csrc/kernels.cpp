@@ -24,7 +24,8 @@ const at::Tensor& rows_of_float(const at::Tensor& t, int64_t width) {
 
 // A quantized linear's tensors from Python: (packed weight, bias [N], zeros for none). The packed
 // weight's layout says which kernels multiply with it: [groups of 4, blocks, 4, record] float32
-// activations (core/quant.h); [groups of 16, blocks, bytes a block] int8 activations (core/q8.h).
+// activations (core/quant.h); [groups of 16, blocks, bytes a block] int8 activations (core/q8.h),
+// whose block size says whether its scales are float32 or float16.
 spk::Linear linear_of(const std::vector<at::Tensor>& t, int64_t bits, int64_t K) {
   TORCH_CHECK(t.size() == 2 && K % spk::BLOCK == 0 && (bits == 4 || bits == 8),
               "a quantized linear is (packed, bias) of 4- or 8-bit codes; in_features a multiple of 32");
@@ -35,9 +36,11 @@ spk::Linear linear_of(const std::vector<at::Tensor>& t, int64_t bits, int64_t K)
   const spk::QWeights w{p.data_ptr<uint8_t>(), N, K, static_cast<int>(bits)};
   if (p.dim() == 3) {
     const int64_t groups = (N + spk::Q8_GROUP - 1) / spk::Q8_GROUP, bytes = spk::q8_block_bytes(static_cast<int>(bits));
-    TORCH_CHECK(p.size(0) == groups && p.size(1) == blocks && p.size(2) == bytes, "int8 packed weight: uint8 [",
-                groups, ", ", blocks, ", ", bytes, "]");
-    return {w, t[1].data_ptr<float>(), true};
+    const bool half = p.size(2) == spk::q8_block_bytes(static_cast<int>(bits), true);
+    TORCH_CHECK(p.size(0) == groups && p.size(1) == blocks && (p.size(2) == bytes || half),
+                "int8 packed weight: uint8 [", groups, ", ", blocks, ", ", bytes, " or ",
+                spk::q8_block_bytes(static_cast<int>(bits), true), "]");
+    return {w, t[1].data_ptr<float>(), true, half};
   }
   const int64_t record = spk::record_bytes(static_cast<int>(bits)), groups = (N + spk::GROUP - 1) / spk::GROUP;
   TORCH_CHECK(p.dim() == 4 && p.size(0) == groups && p.size(1) == blocks && p.size(2) == spk::GROUP &&

@@ -58,19 +58,26 @@ std::vector<uint8_t> random_packed(Random& rng, int64_t N, int64_t K, int bits) 
   return p;
 }
 
-// a packed weight of the int8 kernels' layout (q8.h): random codes, scales and mins
-std::vector<uint8_t> random_q8_packed(Random& rng, int64_t N, int64_t K, int bits) {
+// a packed weight of the int8 kernels' layout (q8.h): random codes, scales and mins (float32, or
+// float16: random bits of a finite half, subnormals included)
+std::vector<uint8_t> random_q8_packed(Random& rng, int64_t N, int64_t K, int bits, bool half) {
   const int64_t groups = (N + spk::Q8_GROUP - 1) / spk::Q8_GROUP, blocks = K / spk::BLOCK;
-  const int64_t bytes = spk::q8_block_bytes(bits);
+  const int64_t bytes = spk::q8_block_bytes(bits, half), sb = spk::q8_scale_bytes(half);
   std::vector<uint8_t> p(groups * blocks * bytes);
   for (int64_t i = 0; i < groups * blocks; ++i) {
     uint8_t* b = &p[i * bytes];
     for (int o = 0; o < 16; ++o) {
+      if (half) {  // exponents up to 2^-1 (0x3BFF): sums stay finite
+        const uint16_t scale = static_cast<uint16_t>(rng.next() % 0x3C00), min = static_cast<uint16_t>(0x8000 | rng.next() % 0x3C00);
+        std::memcpy(b + 2 * o, &scale, 2);
+        if (bits == 4) std::memcpy(b + sb + 2 * o, &min, 2);
+        continue;
+      }
       const float scale = rng.uniform(0.001f, 0.05f), min = rng.uniform(-0.4f, 0.0f);
       std::memcpy(b + 4 * o, &scale, 4);
-      if (bits == 4) std::memcpy(b + 64 + 4 * o, &min, 4);
+      if (bits == 4) std::memcpy(b + sb + 4 * o, &min, 4);
     }
-    for (int64_t j = bits == 4 ? 128 : 64; j < bytes; ++j) b[j] = static_cast<uint8_t>(rng.next());
+    for (int64_t j = bits == 4 ? 2 * sb : sb; j < bytes; ++j) b[j] = static_cast<uint8_t>(rng.next());
   }
   return p;
 }
@@ -82,19 +89,20 @@ void check_rows(const std::string& name, const std::vector<float>& block, const 
   }
 }
 
-void linears(Random& rng, bool int8) {
+// int8: q8.h's kernels (half: its float16 scales), else quant.h's
+void linears(Random& rng, bool int8, bool half = false) {
   const int64_t shapes[][2] = {{150, 544}, {64, 32}, {13, 64}, {96, 1536}};
   for (int bits : {4, 8})
     for (const auto& s : shapes) {
       const int64_t N = s[0], K = s[1];
-      const auto packed = int8 ? random_q8_packed(rng, N, K, bits) : random_packed(rng, N, K, bits);
+      const auto packed = int8 ? random_q8_packed(rng, N, K, bits, half) : random_packed(rng, N, K, bits);
       const auto bias = rng.floats(N, -1, 1);
-      const spk::Linear l{{packed.data(), N, K, bits}, bias.data(), int8};
+      const spk::Linear l{{packed.data(), N, K, bits}, bias.data(), int8, half};
       const int64_t M = 19;
       const auto x = rng.floats(M * K, -2, 2);
       std::vector<float> alone(M * N);
       for (int64_t r = 0; r < M; ++r) spk::apply(l, x.data() + r * K, 1, alone.data() + r * N, spk::serial_for);
-      const std::string name = std::string(int8 ? "int8 " : "") + "linear q" + std::to_string(bits) + " " + std::to_string(N) + "x" + std::to_string(K);
+      const std::string name = std::string(int8 ? (half ? "int8 half-scales " : "int8 ") : "") + "linear q" + std::to_string(bits) + " " + std::to_string(N) + "x" + std::to_string(K);
       for (int64_t m : {2, 3, 4, 5, 7, 8, 9, 16, 19}) {
         std::vector<float> y(m * N);
         spk::apply(l, x.data(), m, y.data(), spk::serial_for);
@@ -155,8 +163,9 @@ void layers(Random& rng) {
   spk::rms_norm(h.data(), B * T, H, ln1.data(), 1e-5f, norm.data());
   report("norm", norm);
   // EAGLE-3's first layer: q/k/v over [embeds, hidden] (twice the width), a tree's slots
-  const auto pe = random_q8_packed(rng, (heads + 2 * kv) * D, 2 * H, 8);
-  const spk::LayerWeights we{ln1.data(), ln2.data(), 1e-5f, {{pe.data(), (heads + 2 * kv) * D, 2 * H, 8}, bq.data(), true},
+  const auto pe = random_q8_packed(rng, (heads + 2 * kv) * D, 2 * H, 8, true);
+  const spk::LayerWeights we{ln1.data(), ln2.data(), 1e-5f,
+                             {{pe.data(), (heads + 2 * kv) * D, 2 * H, 8}, bq.data(), true, true},
                              lo, lg, ld};
   const auto hn = rng.floats(H, 0.8f, 1.2f), embeds = rng.floats(B * T * H, -1, 1);
   std::vector<int64_t> slots(B * T * S);
@@ -178,6 +187,7 @@ int main() {
   std::printf("isa %s\n", spk::ISA);
   linears(rng, false);
   linears(rng, true);
+  linears(rng, true, true);
   attention<float>(rng, "float32");
   attention<spk::bf16>(rng, "bfloat16");
   attention<spk::f16>(rng, "float16");

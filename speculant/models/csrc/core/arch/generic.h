@@ -9,6 +9,7 @@
 namespace spk {
 
 constexpr const char* ISA = "generic";
+#define SPK_HALVES_IN_SOFTWARE 1  // load16h: vector.h's conversion (q8.h)
 
 struct V16 {
   float v[16];

@@ -23,6 +23,11 @@ struct V16 {
 inline V16 zero16() { return {{vdupq_n_f32(0), vdupq_n_f32(0), vdupq_n_f32(0), vdupq_n_f32(0)}}; }
 inline V16 set16(float s) { return {{vdupq_n_f32(s), vdupq_n_f32(s), vdupq_n_f32(s), vdupq_n_f32(s)}}; }
 inline V16 load16(const float* p) { return {{vld1q_f32(p), vld1q_f32(p + 4), vld1q_f32(p + 8), vld1q_f32(p + 12)}}; }
+inline V16 load16h(const uint16_t* p) {  // 16 halves widened (exact)
+  V16 r;
+  for (int i = 0; i < 4; ++i) r.q[i] = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p + 4 * i)));
+  return r;
+}
 inline void store16(float* p, const V16& v) {
   for (int i = 0; i < 4; ++i) vst1q_f32(p + 4 * i, v.q[i]);
 }

@@ -20,6 +20,10 @@ struct V16 {
 inline V16 zero16() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline V16 set16(float s) { return {_mm256_set1_ps(s), _mm256_set1_ps(s)}; }
 inline V16 load16(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline V16 load16h(const uint16_t* p) {  // 16 halves widened (exact; F16C)
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
 inline void store16(float* p, const V16& v) {
   _mm256_storeu_ps(p, v.a);
   _mm256_storeu_ps(p + 8, v.b);

@@ -23,6 +23,9 @@ struct V16 {
 inline V16 zero16() { return {_mm512_setzero_ps()}; }
 inline V16 set16(float s) { return {_mm512_set1_ps(s)}; }
 inline V16 load16(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline V16 load16h(const uint16_t* p) {  // 16 halves widened (exact)
+  return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+}
 inline void store16(float* p, const V16& v) { _mm512_storeu_ps(p, v.a); }
 inline V16 fma16(const V16& x, const V16& y, const V16& z) { return {_mm512_fmadd_ps(x.a, y.a, z.a)}; }
 inline V16 add16(const V16& x, const V16& y) { return {_mm512_add_ps(x.a, y.a)}; }
