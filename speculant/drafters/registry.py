@@ -288,10 +288,11 @@ def shipped_drafter(target: LoadedModel) -> str | None:
 def default_drafter(target: LoadedModel) -> str:
     """The drafter a target gets when none is named: the trained one shipped for it (it ships only
     where it measured faster than the model-free ones), else ngram. Beside GGUF weights on the CPU
-    (``dtype="q8"`` or ``"quantized"``) it is ngram too: a target pass there (~4.5 ms in q8) is too
-    cheap for the head's drafting steps (~3 ms a drafting pass), so the head loses (0.98× plain q8
-    on the bench, 0.94× on agentic prompts) where prompt lookup gains (1.20×, no category below
-    1.00×: benchmarks/results/cpu-AVX512BF16-2026-11-26-q8-drafters)."""
+    (``dtype="q8"`` or ``"quantized"``) it is ngram too: a target pass there (~3.3 ms in q8) is too
+    cheap for the head's drafting steps (~3 ms a drafting pass), so the head loses (0.93× plain q8
+    on the bench) where prompt lookup gains overall (1.08×: 1.16-1.37× on translation, summaries,
+    RAG and agentic prompts, 0.79-0.99× on chat, math and code: benchmarks/results/
+    cpu-AVX512BF16-2026-11-27-q8-half-scales/bench)."""
     shipped = shipped_drafter(target)
     if shipped is None or quantized.weights_of(target.model):
         return "ngram"

@@ -105,9 +105,9 @@ struct Q8Weights {
 // Weights stream from memory once a pass, and a tile reads a block's cache lines one after another
 // as it multiplies: asking for all of them at once (and for the next block's first ones; non-temporal,
 // as they are read once) keeps several reads in flight. A one-token step of the default target: 3.1
-// against 3.6-3.8 ms without (a 2-core Zen 4, float16 scales; 4.7 -> 3.5 with float32 scales); on the
-// AVX2 branch 3.9 against 4.0 (the float32-activation kernels of quant.h gained nothing: their
-// multiplies take longer than their reads).
+// against 3.6-4.0 ms without (a 2-core Zen 4, float16 scales; 3.8-4.7 -> 3.2-3.5 with float32
+// scales); on the AVX2 branch 3.9 against 4.0 (the float32-activation kernels of quant.h gained
+// nothing: their multiplies take longer than their reads).
 #ifndef SPK_PREFETCH_AHEAD
 #define SPK_PREFETCH_AHEAD 256
 #endif
