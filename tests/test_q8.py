@@ -111,7 +111,7 @@ def test_float16_scales_give_the_float32_layouts_bits(q8_kernels, bits):
     w = _as_halves(QuantWeight.quantize(torch.randn(150, 544, generator=g) * 3, bits))
     x = torch.randn(11, 544, generator=g)
     halves, floats = QuantLinear(w, int8=True), QuantLinear(w, int8=True)
-    floats.args = [quantized.pack_int8(w, half=False), floats.args[1]]
+    floats.args = [quantized.pack_int8(w, halves=False), floats.args[1]]
     assert halves.args[0].numel() < floats.args[0].numel()
     assert torch.equal(halves(x), floats(x))
 

@@ -175,20 +175,20 @@ def kernel_linears(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-def pack_int8(w: QuantWeight, half: bool | None = None) -> torch.Tensor:
+def pack_int8(w: QuantWeight, halves: bool = True) -> torch.Tensor:
     """The int8-activation kernels' layout (csrc/core/q8.h): outputs in groups of 16 (zero rows fill
     the last), and per group, block after block: 16 scales, 16 mins (4-bit only), then the codes, an
     output's 4 inputs in each int32 lane: 4-bit, 4 chunks x 16 outputs x 4 bytes whose low nibbles are
     inputs 8c + j and high nibbles 8c + 4 + j; 8-bit, 8 chunks x 16 outputs x 4 bytes (inputs 4c + j).
     Scales and mins are float16 where every one is a half (Q4_0, Q4_1, Q8_0: fewer bytes to stream,
     the same bits), else float32 (K-quants' products, a drafter's rounding). uint8 [groups, blocks,
-    bytes a block]. ``half``: float16 scales (None: where exact)."""
+    bytes a block]. ``halves=False``: float32 scales even where halves would do (the tests' twin)."""
     n, k = w.shape
     blocks, pad = k // BLOCK, -n % Q8_GROUP
     groups = (n + pad) // Q8_GROUP
     codes = torch.nn.functional.pad(w.signed_codes().view(torch.uint8), (0, 0, 0, pad))
     scale, low = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (w.scale, w.min))
-    if half or half is None and all(torch.equal(t.half().float(), t) for t in (scale, low)):
+    if halves and all(torch.equal(t.half().float(), t) for t in (scale, low)):
         scale, low = scale.half(), low.half()
 
     def by_group(t: torch.Tensor) -> torch.Tensor:  # [n, blocks, ...] -> [groups, blocks, 16, ...]
