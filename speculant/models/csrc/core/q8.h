@@ -39,14 +39,6 @@ inline int64_t q8_block_bytes(int bits, bool half = false) {
   return bits == 4 ? 2 * q8_scale_bytes(half) + 256 : q8_scale_bytes(half) + 512;
 }
 
-#if defined(SPK_HALVES_IN_SOFTWARE)
-inline V16 load16h(const uint16_t* p) {
-  float f[16];
-  for (int i = 0; i < 16; ++i) f[i] = to_float(f16{p[i]});
-  return load16(f);
-}
-#endif
-
 // 16 scales or mins of a block, float32 or float16 widened (exact)
 template <bool HALF>
 inline V16 load_scales(const uint8_t* p) {
@@ -108,12 +100,9 @@ struct Q8Weights {
 // against 3.6-4.0 ms without (a 2-core Zen 4, float16 scales; 3.8-4.7 -> 3.2-3.5 with float32
 // scales); on the AVX2 branch 3.9 against 4.0 (the float32-activation kernels of quant.h gained
 // nothing: their multiplies take longer than their reads).
-#ifndef SPK_PREFETCH_AHEAD
-#define SPK_PREFETCH_AHEAD 256
-#endif
+constexpr int64_t PREFETCH_AHEAD = 256;  // bytes past a block's start (0, 128 and 256 measured alike; 384 up, slower)
 inline void prefetch_stream(const uint8_t* at, int64_t bytes) {
-  if constexpr (SPK_PREFETCH_AHEAD >= 0)
-    for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(at + SPK_PREFETCH_AHEAD + l, 0, 0);
+  for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(at + PREFETCH_AHEAD + l, 0, 0);
 }
 
 // R rows (from m0) against the 16 outputs of one group; y's columns from n0 (fewer where N ends).

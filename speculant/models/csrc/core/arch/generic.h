@@ -6,10 +6,11 @@
 #include <cstdint>
 #include <cstring>
 
+#include "../vector.h"
+
 namespace spk {
 
 constexpr const char* ISA = "generic";
-#define SPK_HALVES_IN_SOFTWARE 1  // load16h: vector.h's conversion (q8.h)
 
 struct V16 {
   float v[16];
@@ -24,6 +25,11 @@ inline V16 set16(float s) {
 inline V16 load16(const float* p) {
   V16 r;
   std::memcpy(r.v, p, sizeof r.v);
+  return r;
+}
+inline V16 load16h(const uint16_t* p) {  // 16 halves widened (exact: vector.h's conversion)
+  V16 r;
+  for (int i = 0; i < 16; ++i) r.v[i] = to_float(f16{p[i]});
   return r;
 }
 inline void store16(float* p, const V16& a) { std::memcpy(p, a.v, sizeof a.v); }
