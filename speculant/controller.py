@@ -12,6 +12,9 @@ a function of the tokens it processes (batch × k), interpolated between measure
 cost is measured, never assumed: on a CPU a 2-token pass can cost 1.6× a 1-token one while 9
 tokens cost barely more than 2, so the first passes of an engine measure the narrowest and the
 widest block before trusting the interpolation, and every width used is measured as it is used.
+A drafter whose drafts cost nothing (prompt lookup) is asked for its whole budget first, so each
+row's γ is chosen knowing the draft's length and its grade (``Proposal.grades``: ngram's matched
+n-gram length); α is kept per grade, per row and (as the prior of new rows) per engine.
 Rows that do not pay get draft length 0 and are re-tried with the γ the prior would choose, so a
 request whose text turns repetitive later gets speculation back. A retry that fails costs what it
 cost beyond a plain pass (for a model drafter that includes catching up on the text it skipped),
@@ -166,6 +169,15 @@ class CostModel:
         self.draft_token = VerifyTimes()  # seconds per draft token, by batch size (chain drafters)
         self.draft_pass = VerifyTimes()  # seconds per proposal, by batch size (block and tree drafters)
         self.retry_extra = 0.0  # what a failed retry cost beyond a plain pass, in plain passes
+        # acceptance per draft grade over every row and request: the prior of a row's own estimate
+        self.acceptance: dict[int, RowAlpha] = {}
+
+    def observe_acceptance(self, grade: int, drafted: int, accepted: int) -> None:
+        self.acceptance.setdefault(grade, RowAlpha(decay=0.99)).observe(drafted, accepted)
+
+    def prior(self, grade: int, length: int) -> list[float]:
+        """α per position that a row new to drafts of this grade starts from."""
+        return (self.acceptance.get(grade) or RowAlpha()).profile(length)
 
     def observe_retry(self, extra: float) -> None:
         self.retry_extra = max(0.0, extra) if self.retry_extra == 0.0 else 0.5 * self.retry_extra + 0.5 * max(0.0, extra)
@@ -210,12 +222,14 @@ class RowAlpha:
             self.drafted[j] = self.decay * self.drafted[j] + 1
             self.accepted[j] = self.decay * self.accepted[j] + (j < accepted)
 
-    def profile(self, length: int) -> list[float]:
+    def profile(self, length: int, prior: Sequence[float] | None = None) -> list[float]:
+        """α per position; ``prior``: each position's prior mean (else the position before's estimate)."""
         out, prev = [], self.prior_mean
         for j in range(length):
             a = self.accepted[j] if j < len(self.accepted) else 0.0
             d = self.drafted[j] if j < len(self.drafted) else 0.0
-            prev = (a + self.prior_strength * prev) / (d + self.prior_strength)
+            mean = prev if prior is None else prior[j]
+            prev = (a + self.prior_strength * mean) / (d + self.prior_strength)
             out.append(prev)
         return out
 
@@ -358,22 +372,24 @@ class AutoGamma(PerRow):
         self.wait[row] = max(min(8 * self.retry_every, 2 * self.wait[row]), self._first_wait())
 
     def observe(self, gamma: int, width: int, lengths: list[int], accepted: list[int], draft_seconds: float,
-                verify_seconds: float, per_pass: bool = False, retry: bool = False) -> None:
+                verify_seconds: float, per_pass: bool = False, retry: bool = False,
+                grades: list[int] | None = None) -> None:
         """What a chain pass did (or a pass that verified no tree): requested γ, verified block
-        width k, drafts and acceptances per row; ``retry``: the pass re-tried rows that were off."""
+        width k, drafts and acceptances per row (and the drafts' grades); ``retry``: the pass
+        re-tried rows that were off."""
         self.gammas_used.append(gamma)
         self._observe_retry(retry, len(lengths), draft_seconds, verify_seconds)
         self.cost_model.observe_pass(gamma, len(lengths) * width, draft_seconds, verify_seconds, per_pass,
                                      batch=len(lengths))
         for row, (d, n) in enumerate(zip(lengths, accepted)):
             if d > 0:
-                self._observe_row(row, d, n)
+                self._observe_row(row, d, n, grades[row] if grades else 0)
                 self.off_for[row] = 0
             else:
                 self.off_for[row] += 1
 
-    def _observe_row(self, row: int, drafted: int, accepted: int) -> None:
-        """A row's chain of ``drafted`` drafts kept ``accepted`` of them."""
+    def _observe_row(self, row: int, drafted: int, accepted: int, grade: int = 0) -> None:
+        """A row's chain of ``drafted`` drafts of this grade kept ``accepted`` of them."""
 
     def _observe_retry(self, retry: bool, batch: int, draft_seconds: float, verify_seconds: float) -> None:
         """A pass chosen to re-try rows that were off (a chain's, or a tree drafted for them, even
@@ -389,17 +405,24 @@ class AutoGamma(PerRow):
 
 class ChainGamma(AutoGamma):
     """γ for a chain drafter, chosen each pass of one request from each row's α per draft
-    position and the engine's costs; rows that do not pay draft nothing and are re-tried."""
+    position and the engine's costs; rows that do not pay draft nothing and are re-tried.
+    ``sees_drafts``: drafting costs (next to) nothing, so the drafter is asked for the whole budget
+    and each row's γ chosen with its draft in view (length, grade)."""
 
     row_fields = AutoGamma.row_fields + ("alphas",)
 
     def __init__(self, rows: int, gamma_max: int = 8, retry_every: int = 16, costs: CostModel | None = None,
-                 per_pass: bool = False):
+                 per_pass: bool = False, sees_drafts: bool = False):
         super().__init__(rows, gamma_max, retry_every, costs, per_pass)
-        self.alphas = [RowAlpha() for _ in range(rows)]
+        self.sees_drafts = sees_drafts
+        self.alphas: list[dict[int, RowAlpha]] = [{} for _ in range(rows)]  # per row: grade -> α
 
     def plan(self, room: int, propose: Callable[[int], Proposal]) -> Plan:
-        """The pass's γ and per-row caps, chosen before drafting; the drafter's chains."""
+        """The pass's γ and per-row caps, chosen before drafting (or, for drafts that cost nothing,
+        after seeing them); the drafter's chains."""
+        if self.sees_drafts:
+            prop = propose(max(0, min(self.gamma_max, room)))
+            return Plan(prop, *self.choose(room, prop.lengths.tolist(), prop.grades)[1:])
         gamma, caps, retry = self.choose(room)
         return Plan(propose(gamma), caps, retry)
 
@@ -408,32 +431,45 @@ class ChainGamma(AutoGamma):
         """What the pass did (``prop`` as verified: capped), for the estimates and the costs."""
         lens, width = _width(prop)
         self.observe(max(plan.caps, default=0), width, lens, accepted, draft_seconds, verify_seconds, self.per_pass,
-                     plan.retry)
+                     plan.retry, prop.grades)
 
-    def _observe_row(self, row: int, drafted: int, accepted: int) -> None:
-        self.alphas[row].observe(drafted, accepted)
+    def _observe_row(self, row: int, drafted: int, accepted: int, grade: int = 0) -> None:
+        self.alphas[row].setdefault(grade, RowAlpha()).observe(drafted, accepted)
+        self.cost_model.observe_acceptance(grade, drafted, accepted)
 
-    def choose(self, room: int) -> tuple[int, list[int], bool]:
-        """(γ for the pass, per-row draft caps, whether it only re-tries rows that are off), γ <= room."""
+    def _gains(self, profiles: list[list[float]], cap: int, lengths: list[int] | None) -> list[list[float]]:
+        """Per row, the expected tokens of a pass drafting 0..cap (a seen draft: at most its length)."""
+        lengths = lengths or [cap] * len(profiles)
+        return [[expected_tokens(p, min(g, n)) for g in range(cap + 1)] for p, n in zip(profiles, lengths)]
+
+    def choose(self, room: int, lengths: list[int] | None = None,
+               grades: list[int] | None = None) -> tuple[int, list[int], bool]:
+        """(γ for the pass, per-row draft caps, whether it only re-tries rows that are off), γ <= room.
+        ``lengths``, ``grades``: each row's draft when it is seen before choosing."""
         cap = max(0, min(self.gamma_max, room))
         explore = self._unmeasured(cap)
         if explore is not None:
             return explore, [explore] * self.rows, False
         costs = self.costs(self.rows)
-        gamma, on = choose_batch_gamma([a.profile(cap) for a in self.alphas], costs, cap)
+        grades = grades or [0] * self.rows
+        priors = [self.cost_model.prior(g, cap) for g in grades]
+        profiles = [(alphas.get(g) or RowAlpha()).profile(cap, prior)
+                    for alphas, g, prior in zip(self.alphas, grades, priors)]
+        gamma, on = choose_batch_width(self._gains(profiles, cap, lengths), costs)
         for row, row_on in enumerate(on):
             if row_on:
                 self.wait[row] = self.retry_every  # it was paying: re-try soon if it stops
             elif self.on[row] is False and self.off_for[row] == 0:  # the last pass was a retry, and it failed
                 self._back_off(row)
         self.on = on
-        retry = [not row_on and due for row_on, due in zip(on, self._retry_due())]
+        retry = [not row_on and due and (lengths is None or n > 0)
+                 for row_on, due, n in zip(on, self._retry_due(), lengths or [cap] * self.rows)]
         retrying = any(retry) and gamma == 0
         if retrying:
-            # re-try with the γ the prior belief would pick (at least 1): cheap for a drafter whose
-            # misses cost nothing (ngram), short for an expensive one
-            prior = [RowAlpha().prior_mean]
-            gamma = _argmax(lambda g: expected_tokens(prior, g) / costs.seconds(g), cap, start=1) if cap else 0
+            # re-try with the γ the engine's prior belief would pick (at least 1): cheap for a drafter
+            # whose misses cost nothing (ngram), short for an expensive one
+            gains = self._gains(priors, cap, lengths)
+            gamma = _argmax(lambda g: batch_rate(gains, retry, costs, g), cap, start=1) if cap else 0
         return gamma, [gamma if (row_on or r) else 0 for row_on, r in zip(on, retry)], retrying
 
 

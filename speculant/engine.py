@@ -242,9 +242,12 @@ class Engine:
         rows = [Row(list(r.prompt), r.max_new_tokens, r.stop, r.cancelled, t0=t0,
                     logprobs=None if r.logprobs is None else [], stats=Stats(**stats)) for r in req.rows]
         per_pass = drafter.block_drafts or drafter.makes_trees  # a pass's drafting cost does not grow with γ
-        auto = TreeGamma if drafter.makes_trees else ChainGamma
-        control = (auto(n, most, costs=self.costs, per_pass=per_pass)
-                   if req.gamma == "auto" else FixedGamma(req.gamma, self.costs, per_pass))
+        if req.gamma != "auto":
+            control = FixedGamma(req.gamma, self.costs, per_pass)
+        elif drafter.makes_trees:
+            control = TreeGamma(n, most, costs=self.costs, per_pass=per_pass)
+        else:  # drafts that cost nothing are seen before each row's γ is chosen
+            control = ChainGamma(n, most, costs=self.costs, per_pass=per_pass, sees_drafts=drafter.free_drafts)
         tokens, valid = left_pad(req.prompts, dev)
         history = TokenHistory(req.prompts, self.vocab_size, dev, proc) if proc.uses_context else None
         taps = tuple(drafter.hidden_layers)
@@ -571,7 +574,7 @@ def _cap(prop: Proposal, caps: list[int], block_width=None) -> Proposal:
         return torch.cat([t, t.new_full((t.shape[0], width - t.shape[1], *t.shape[2:]), fill)], 1)
 
     tokens = fit(prop.tokens) if width else prop.tokens[:, :0]
-    return Proposal(tokens, lengths, fit(prop.probs), fit(prop.parents, -1), fit(prop.scores))
+    return Proposal(tokens, lengths, fit(prop.probs), fit(prop.parents, -1), fit(prop.scores), prop.grades)
 
 
 def check_proposal(prop: Proposal, batch: int, gamma: int, vocab: int, device: torch.device) -> None:

@@ -409,3 +409,19 @@ def test_installed_peers_generate_from_our_token_ids():
     for name in peers.method_names(peers.installed()):
         out = peers.load(name, default_model_path(), 512).generate(ids, 12, target.eos_token_ids)
         assert 0 < len(out) <= 12 and all(isinstance(t, int) for t in out), name
+
+
+def test_repeats_count_by_each_calls_median_so_one_pause_does_not_move_a_category():
+    out = list(range(10))
+
+    def rep(method, pid, seconds, repeat):
+        return {**record(method, [row(pid, "x", out)], seconds), "repeat": repeat}
+
+    recs = [rep(HF_GENERATE, 0, 2.0, 0), rep(SPECULANT_NONE, 0, 1.0, 0)]
+    # prompt 0: a 3x pause in one of three repeats; prompt 1: two repeats (the faster middle one counts)
+    recs += [rep("speculant fake", 0, s, r) for r, s in enumerate([3.0, 0.5, 0.6])]
+    recs += [rep("speculant fake", 1, s, r) for r, s in enumerate([0.9, 0.7])]
+    s = find(summarize(recs), method="speculant fake", category=ALL)[0]
+    assert s["tokens_per_second"] == pytest.approx(20 / (0.6 + 0.7))
+    assert s["new_tokens"] == 50 and s["calls"] == 5
+    assert s["tokens_per_second_by_repeat"] == pytest.approx([20 / 3.9, 20 / 1.2, 10 / 0.6])

@@ -102,9 +102,9 @@ def test_controller_speculates_with_a_good_cheap_drafter():
 
 def test_controller_shrinking_batch_keeps_row_estimates():
     ctl = ChainGamma(rows=3)
-    ctl.alphas[2].observe(4, 4)
+    ctl.observe(4, 5, [0, 0, 4], [0, 0, 4], 0.0, 1.0, grades=[0, 0, 3])
     ctl.select([2])
-    assert len(ctl.alphas) == 1 and ctl.alphas[0].accepted[0] == 1.0
+    assert len(ctl.alphas) == 1 and ctl.alphas[0][3].accepted[0] == 1.0
 
 
 def test_failed_retries_back_off():
@@ -360,3 +360,75 @@ def test_a_row_with_no_nodes_goes_off_while_another_row_drafts():
     _run_trees(ctl, 30, lambda budget: [[0.5] * budget, []], lambda caps: [1, 0], 0.1,
                lambda k: 1.0 if k == 1 else 1.0 + 0.02 * k)
     assert ctl.on == [True, False], ctl.on
+
+
+def _graded_run(ctl, passes, rng, accept_by_grade, verify_cost, room=50):
+    """Drive a controller that sees drafts first: each pass a 15-token draft of grade 1 or 3 (half
+    each); a draft of grade g has each token accepted with probability accept_by_grade[g] up to the
+    first miss. Returns (grade, cap) per pass."""
+    chosen = []
+    for _ in range(passes):
+        grade = rng.choice([1, 3])
+        g, caps, retry = ctl.choose(room, [15], [grade])
+        n = 0
+        while n < caps[0] and rng.random() < accept_by_grade[grade]:
+            n += 1
+        chosen.append((grade, caps[0]))
+        ctl.observe(g, caps[0] + 1, caps, [n], draft_seconds=0.0, verify_seconds=verify_cost(caps[0] + 1),
+                    retry=retry, grades=[grade])
+    return chosen
+
+
+def cpu_like(k):
+    return 1.0 + 0.12 * (k - 1)  # each extra row ~12% of a one-token pass (q8 on a CPU)
+
+
+def test_drafts_seen_first_are_verified_by_their_grade():
+    """Prompt lookup's 1-token matches are rarely followed, its 3-token matches mostly: with α kept
+    per grade, weak drafts go unverified and strong ones run long, in the same row."""
+    rng = random.Random(1)
+    ctl = ChainGamma(rows=1, gamma_max=15, sees_drafts=True)
+    chosen = _graded_run(ctl, 400, rng, {1: 0.1, 3: 0.9}, cpu_like)[100:]
+    weak = [cap for grade, cap in chosen if grade == 1]
+    strong = [cap for grade, cap in chosen if grade == 3]
+    assert sum(c == 0 for c in weak) > 0.8 * len(weak), weak
+    assert sum(c >= 4 for c in strong) > 0.8 * len(strong), strong
+    # one α for both (no grades): the controller cannot tell them apart, so both get the same γ
+    blind = ChainGamma(rows=1, gamma_max=15, sees_drafts=True)
+    for _ in range(300):
+        g, caps, retry = blind.choose(50, [15], None)
+        grade = rng.choice([1, 3])
+        n = 0
+        while n < caps[0] and rng.random() < {1: 0.1, 3: 0.9}[grade]:
+            n += 1
+        blind.observe(g, caps[0] + 1, caps, [n], 0.0, cpu_like(caps[0] + 1), retry=retry)
+    assert blind.choose(50, [15], None)[1] == blind.choose(50, [15], None)[1]
+
+
+def test_a_seen_draft_is_not_verified_past_its_length_and_none_is_not_retried():
+    costs = CostModel()
+    for k in (1, 2, 4, 8, 16):
+        costs.verify.observe(k, cpu_like(k))
+    ctl = ChainGamma(rows=2, gamma_max=15, costs=costs, sees_drafts=True)
+    for _ in range(30):
+        ctl.observe(15, 16, [15, 0], [15, 0], 0.0, cpu_like(16), grades=[3, 0])  # grade 3: always accepted
+    gamma, caps, retry = ctl.choose(50, [3, 0], [3, 0])
+    assert caps == [3, 0] and not retry
+    ctl.off_for, ctl.on = [100, 100], [False, False]  # both long off: due for a retry, but row 1 has no draft
+    gamma, caps, retry = ctl.choose(50, [0, 0], [0, 0])
+    assert caps == [0, 0] and not retry
+
+
+def test_the_engine_remembers_acceptance_per_grade_for_new_requests():
+    """A new request's rows start from what this engine's earlier rows accepted at each grade."""
+    costs = CostModel()
+    rng = random.Random(2)
+    _graded_run(ChainGamma(rows=1, gamma_max=15, costs=costs, sees_drafts=True), 300, rng, {1: 0.05, 3: 0.95},
+                cpu_like)
+    nxt = ChainGamma(rows=1, gamma_max=15, costs=costs, sees_drafts=True)
+    assert nxt.choose(50, [15], [1])[1][0] <= 1  # the few grade-1 drafts verified (all missed) dent its prior
+    assert nxt.choose(50, [15], [3])[1][0] >= 6
+    assert costs.prior(1, 1)[0] < 0.3 < 0.9 < costs.prior(3, 1)[0]
+    fresh = CostModel()  # the same costs, no drafts seen: the 0.6 prior drafts short
+    fresh.verify.points = dict(costs.verify.points)
+    assert 1 <= ChainGamma(rows=1, gamma_max=15, costs=fresh, sees_drafts=True).choose(50, [15], [3])[1][0] < 6

@@ -300,3 +300,15 @@ def test_layerskip_on_the_default_model_is_greedy_identical(default_model, promp
     ref = hf_greedy(default_model.model, ids, 24)
     assert out.token_ids == ref, mismatch_report(default_model.model, ids, ref, out.token_ids)
     assert out.stats["accepted_draft_tokens"] > 0
+
+
+def test_ngram_grades_its_draft_by_the_matched_ngram_length():
+    import types
+
+    from speculant.drafters.ngram import NgramDrafter
+
+    d = NgramDrafter()
+    d.start(types.SimpleNamespace(device=torch.device("cpu"), prompts=[[1, 2, 3, 4, 1, 2, 3], [5, 6, 7, 5], [8, 9]]))
+    prop = d.propose(3)
+    assert prop.lengths.tolist() == [3, 3, 0] and prop.grades == [3, 1, 0]
+    assert prop.tokens[0].tolist() == [4, 1, 2] and prop.tokens[1].tolist() == [6, 7, 5]

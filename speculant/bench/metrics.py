@@ -1,7 +1,9 @@
 """Pure aggregation of raw records into the numbers a benchmark reports.
 
 Definitions (per method, setting and category; pooled over prompts and repeats):
-- tokens/s: new tokens / wall-clock seconds of the calls (the harness's clock, same for all methods)
+- tokens/s: new tokens / wall-clock seconds of the calls (the harness's clock, same for all methods);
+  with repeats, each call counts by its median repeat (the faster middle one of an even number),
+  so a pause of the machine during one call does not move a category
 - speedup: tokens/s over the tokens/s of HF ``generate`` (and of ``speculant none``) at the same
   temperature, batch size and category, measured in the same run
 - α (acceptance rate): accepted draft tokens / draft tokens
@@ -99,10 +101,24 @@ def acceptance_by_position(rows: list[dict]) -> list[float]:
     return [s / c for s, c in zip(sums, counts)]
 
 
+def median_repeats(recs: list[dict]) -> list[dict]:
+    """Each call's median repeat by seconds per token (the faster middle one of an even number): the
+    same prompts and setting are one call."""
+    calls: dict[tuple, list[dict]] = defaultdict(list)
+    for rec in recs:
+        calls[tuple(r["prompt_id"] for r in rec["rows"])].append(rec)
+
+    def rate(rec):
+        return rec["seconds"] / max(1, sum(r["new_tokens"] for r in rec["rows"]))
+
+    return [sorted(reps, key=rate)[(len(reps) - 1) // 2] for reps in calls.values()]
+
+
 def _group_metrics(recs: list[dict], rows: list[dict], ref: dict) -> dict:
     """``rows``: all rows of ``recs``."""
-    tokens = sum(r["new_tokens"] for r in rows)
-    seconds = sum(rec["seconds"] for rec in recs)
+    timed = median_repeats(recs)
+    tokens = sum(r["new_tokens"] for rec in timed for r in rec["rows"])
+    seconds = sum(rec["seconds"] for rec in timed)
     passes = sum(r["target_forward_passes"] for r in rows if r["target_forward_passes"] is not None)
     drafted = [r["draft_tokens"] for r in rows if r["draft_tokens"] is not None]
     accepted = [r["accepted_draft_tokens"] for r in rows if r["accepted_draft_tokens"] is not None]
@@ -110,19 +126,20 @@ def _group_metrics(recs: list[dict], rows: list[dict], ref: dict) -> dict:
     for rec in recs:
         by_repeat[rec.get("repeat", 0)][1] += rec["seconds"]
         by_repeat[rec.get("repeat", 0)][0] += sum(r["new_tokens"] for r in rec["rows"])
-    tau = _ratio(tokens, passes) if passes else None
+    tau = _ratio(sum(r["new_tokens"] for r in rows), passes) if passes else None
     tree_passes = sum(r.get("tree_passes") or 0 for r in rows)
     drafter_seconds = sum(r.get("drafter_seconds") or 0.0 for r in rows)
     out = {
         "prompts": len({r["prompt_id"] for r in rows}),
         "calls": len(recs),
-        "new_tokens": tokens,
-        "seconds": seconds,
+        "new_tokens": sum(r["new_tokens"] for r in rows),
+        "seconds": seconds,  # of the median repeats
+
         "tokens_per_second": _ratio(tokens, seconds),
         "tokens_per_second_by_repeat": [_ratio(t, s) for _, (t, s) in sorted(by_repeat.items())],
         "acceptance_rate": _ratio(sum(accepted), sum(drafted)) if drafted and sum(drafted) else None,
         "mean_accepted_tokens": tau,
-        "target_passes_per_token": _ratio(passes, tokens) if passes else None,
+        "target_passes_per_token": _ratio(passes, sum(r["new_tokens"] for r in rows)) if passes else None,
         "acceptance_by_position": acceptance_by_position(rows) if drafted else [],
         # token trees: nodes verified per tree pass; what drafting costs per target pass
         "mean_tree_nodes": _ratio(sum(r.get("tree_nodes") or 0 for r in rows), tree_passes) if tree_passes else None,

@@ -50,6 +50,9 @@ class Proposal:
     # drafters list nodes best first (each node after its parent), so a prefix is a tree too.
     parents: torch.Tensor | None = None  # [B, γ]
     scores: torch.Tensor | None = None  # [B, γ] the drafter's estimate that the target's text passes each node
+    # a chain's grade per row, as the drafter sees its evidence (ngram: the matched n-gram's length):
+    # γ auto keeps acceptance per grade, so weak drafts go unverified and strong ones run long
+    grades: list[int] | None = None
 
 
 def draft_slots(ctx, history, logits: torch.Tensor, n: int) -> Proposal:

@@ -7,6 +7,10 @@ arrive, so a proposal costs O(max_ngram) per row, not a scan of the text.
 ``ngram:tree`` proposes the continuations of the longest matching n-gram's last ``tree_matches``
 occurrences at once, merged into a token tree (shared prefixes once), each node scored by the
 share of those occurrences that continue through it, best first.
+
+A chain proposal is graded by the length of the n-gram it matched: on chat text a 1-token match
+is followed ~20% of the time, a 3-token one ~80% (SmolLM2, 64 bench answers), so γ auto learns
+acceptance per grade and drafts long only where the match is strong.
 """
 from __future__ import annotations
 
@@ -50,36 +54,34 @@ class NgramDrafter(Drafter):
                         del starts[0]
             text.append(tok)
 
-    def _matches(self, row: int, tail: list[int]) -> list[int]:
-        """Where the longest n-gram ending ``tail`` continued, latest last (indices into the text)."""
+    def _matches(self, row: int, tail: list[int]) -> tuple[list[int], int]:
+        """Where the longest n-gram ending ``tail`` continued, latest last (indices into the text),
+        and that n-gram's length (0: no match)."""
         index = self.index[row]
         for n in range(min(self.max_ngram, len(tail)), self.min_ngram - 1, -1):
             starts = index.get(tuple(tail[-n:]))
             if starts:
-                return starts
-        return []
+                return starts, n
+        return [], 0
 
-    def _match(self, row: int, tail: list[int]) -> int | None:
-        """Where the longest n-gram ending ``tail`` last continued (an index into the row's text)."""
-        starts = self._matches(row, tail)
-        return starts[-1] if starts else None
-
-    def _lookup(self, row: int, gamma: int) -> list[int]:
+    def _lookup(self, row: int, gamma: int) -> tuple[list[int], int]:
         """Copy what followed the latest match; when that runs into the end of the text (a repeating
         pattern's latest occurrence is right behind us), look up again from the extended text, so a
-        period repeats itself instead of the proposal stopping short."""
-        text, out = self.texts[row], []
+        period repeats itself instead of the proposal stopping short. Returns the draft and the
+        length of the n-gram its first token was matched by (its grade)."""
+        text, out, grade = self.texts[row], [], 0
         while len(out) < gamma:
-            at = self._match(row, (text[-self.max_ngram :] + out)[-self.max_ngram :])
-            if at is None:
+            starts, n = self._matches(row, (text[-self.max_ngram :] + out)[-self.max_ngram :])
+            if not starts:
                 break
-            out.extend(text[at : at + gamma - len(out)])
-        return out
+            grade = grade or n
+            out.extend(text[starts[-1] : starts[-1] + gamma - len(out)])
+        return out, grade
 
     def _tree(self, row: int, budget: int):
         """The continuations of the last few matches as one tree: (tokens, parents, scores), best first."""
         text = self.texts[row]
-        starts = [s for s in self._matches(row, text[-self.max_ngram :]) if s < len(text)]
+        starts = [s for s in self._matches(row, text[-self.max_ngram :])[0] if s < len(text)]
         if not starts:
             return [], [], []
         trie: dict[tuple, int] = {}  # path of tokens -> how many continuations pass through it
@@ -96,12 +98,12 @@ class NgramDrafter(Drafter):
     def propose(self, gamma: int) -> Proposal:
         if self.tree:
             return tree_proposal([self._tree(row, gamma) for row in range(len(self.texts))], self.device)
-        found = [self._lookup(row, gamma) for row in range(len(self.texts))]
+        found, grades = zip(*[self._lookup(row, gamma) for row in range(len(self.texts))]) if self.texts else ((), ())
         tokens = torch.zeros(len(found), gamma, dtype=torch.long)
         for row, cont in enumerate(found):
             tokens[row, : len(cont)] = torch.tensor(cont, dtype=torch.long)
         lengths = torch.tensor([len(c) for c in found], dtype=torch.long)
-        return Proposal(tokens.to(self.device), lengths.to(self.device), None)
+        return Proposal(tokens.to(self.device), lengths.to(self.device), None, grades=list(grades))
 
     def update(self, new_tokens, n_accepted) -> None:
         for row, toks in enumerate(new_tokens):
