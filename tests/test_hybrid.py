@@ -124,3 +124,46 @@ def test_a_strong_lookup_chain_spares_the_heads_deeper_forwards(tmp_path, monkey
         assert (0 < head_nodes < G) if alpha == 0.5 else head_nodes == 0, (alpha, merged)
     weak = torch.tensor([[0.01 ** d for d in range(1, G + 1)]])  # a chain the text refutes changes nothing
     assert tree_and_forwards(weak) == (alone, deep)
+
+
+def test_lookup_chains_are_scored_by_what_their_grade_has_been_accepted():
+    """A lookup chain's nodes score α̂^depth with α̂ kept per grade (matched n-gram length): after
+    1-token matches kept failing and 3-token ones held, a 3-token match's chain outscores a 1-token
+    match's in the same row."""
+    import types
+
+    from speculant.drafters.base import Drafter, tree_proposal
+
+    class NoTree(Drafter):  # a tree drafter that proposes nothing: the merged tree is the lookup chain
+        makes_trees = True
+
+        def start(self, ctx):
+            self.rows = len(ctx.prompts)
+
+        def propose_among(self, gamma, rivals):
+            return tree_proposal([([], [], [])] * self.rows, torch.device("cpu"))
+
+        def propose(self, gamma):
+            return self.propose_among(gamma, None)
+
+        def update(self, new_tokens, n_accepted):
+            pass
+
+    d = HybridDrafter(NoTree())
+    d.start(types.SimpleNamespace(device=torch.device("cpu"), prompts=[[1, 2, 3, 9, 7, 1, 2, 3]]))
+    strong = d.propose(4)  # matches (1, 2, 3): chain 9, 7, 1, 2
+    assert d.last_chain[0] == ([9, 7, 1, 2], 3)
+    for _ in range(3):
+        d.last_chain = [([5, 6], 1)]
+        d.update([[4]], [0])  # a 1-gram chain refuted
+        d.last_chain = [([9, 7], 3)]
+        d.update([[9, 7, 8]], [2])  # a 3-gram chain followed
+    weak_alpha = d.lookup_alpha[0][1][0] / d.lookup_alpha[0][1][1]
+    strong_alpha = d.lookup_alpha[0][3][0] / d.lookup_alpha[0][3][1]
+    assert weak_alpha < 0.3 < 0.8 < strong_alpha
+    d.lookup.texts[0], d.lookup.index[0] = [], {}
+    d.lookup._extend(0, [1, 2, 3, 9, 5, 1, 2, 3])
+    again = d.propose(2)
+    assert again.scores[0, 0] == pytest.approx(strong_alpha) and strong.scores[0, 0] == pytest.approx(0.5)
+    d.lookup._extend(0, [4, 8, 5])  # (8, 5) and (4, 8, 5) are new: only the 1-gram (5,) matches
+    assert d.propose(2).scores[0, 0] == pytest.approx(weak_alpha)

@@ -259,3 +259,40 @@ def test_the_eagle_head_on_the_kernels_computes_its_own_forward(tmp_path):
         torch.testing.assert_close(normed, want_normed, rtol=1e-4, atol=1e-4)
         for got, want in zip(caches, want_caches):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("quantized_only", [False, True])
+def test_every_layer_in_one_call_gives_the_bits_of_a_call_a_layer(monkeypatch, quantized_only):
+    """A pass runs every bound layer in one kernel call (BoundLayers): the logits and caches of a
+    prefill, a verify block beside another row and a token tree are those of one call a layer."""
+    from speculant.models import fast as fast_module
+
+    model = _quantized_tiny(6) if quantized_only else _q8_tiny(seed=6)
+    g = torch.Generator().manual_seed(6)
+    toks = torch.randint(0, 96, (2, 30), generator=g)
+    tree = torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]] * 2, dtype=torch.bool)
+
+    def passes(one_call: bool):
+        fast = fast_module.FastLlama(model)
+        calls = []
+        if not one_call:
+            fast.pass_set.all_layers = None
+        else:
+            run = fast_module.BoundLayers.__call__
+            monkeypatch.setattr(fast_module.BoundLayers, "__call__", lambda *a: calls.append(1) or run(*a))
+        with torch.no_grad():
+            keys, values = fast.new_cache(2, 40)
+            first = torch.arange(20).repeat(2, 1)
+            out = [fast.forward(toks[:, :20], first, first, keys, values)]
+            pos = torch.tensor([[20, 21, 22], [20, 21, 22]])
+            out.append(fast.forward(toks[:, 20:23], pos, pos, keys, values))
+            at = torch.tensor([[23, 24, 25, 26]] * 2)
+            out.append(fast.forward(toks[:, 23:27], torch.tensor([[23, 24, 24, 25]] * 2), at, keys, values, tree=tree))
+        return out, keys + values, len(calls)
+
+    one, caches, calls = passes(True)
+    per_layer, caches_per_layer, _ = passes(False)
+    assert calls == 3  # each pass ran its layers in one call
+    assert all(torch.equal(a, b) for a, b in zip(one, per_layer))
+    assert all(torch.equal(a, b) for a, b in zip(caches, caches_per_layer))

@@ -8,7 +8,8 @@ by score, so the engine's controller keeps the nodes worth verifying from either
 
 Scores estimate each node's chance of being on the target's path. The tree drafter brings its
 own; a lookup node at depth d scores α̂^d, where α̂ is the row's running share of lookup drafts
-the target accepted (a path both propose takes the larger score). Scores never grow along a path,
+the target accepted, kept per grade of the chain (the length of the n-gram it matched: a 1-token
+match is followed far less often than a 3-token one); a path both propose takes the larger score. Scores never grow along a path,
 so best first lists every parent before its children and any prefix is a tree. The lookup chain is
 drafted first and its scores are handed to the tree drafter (``propose_among``): a head that grows
 its tree depth by depth stops once none of its deeper nodes could beat them to the γ slots, so a
@@ -26,6 +27,7 @@ from .base import DraftContext, Drafter, Proposal, tree_proposal
 from .ngram import NgramDrafter
 
 LOOKUP_DECAY = 0.9  # per pass: how fast a row's lookup acceptance estimate follows the text
+PRIOR = (1.0, 2.0)  # a grade's lookup acceptance before its first chain: (hits, judged), Beta(1, 1)
 
 
 def merge_trees(tree: tuple[list[int], list[int], list[float]], chain: list[int], chain_alpha: float,
@@ -78,15 +80,16 @@ class HybridDrafter(Drafter):
         self.tree.start(ctx)
         self.lookup.start(ctx)
         rows = len(ctx.prompts)
-        self.hits, self.judged = [1.0] * rows, [2.0] * rows  # lookup acceptance, a Beta(1, 1) prior
-        self.last_chain: list[list[int]] = [[] for _ in range(rows)]
+        # lookup acceptance per row and grade: (hits, judged), a Beta(1, 1) prior
+        self.lookup_alpha: list[dict[int, list[float]]] = [{} for _ in range(rows)]
+        self.last_chain: list[tuple[list[int], int]] = [([], 0) for _ in range(rows)]
 
     def propose(self, gamma: int) -> Proposal:
         lookup = self.lookup.propose(gamma)
         chains = [row[:k] for row, k in zip(lookup.tokens.tolist(), lookup.lengths.tolist())]
-        self.last_chain = chains
+        self.last_chain = list(zip(chains, lookup.grades))
         # the chain's node scores compete for the γ slots: a strong chain spares the tree's deep forwards
-        alphas = [h / j for h, j in zip(self.hits, self.judged)]
+        alphas = [h / j for h, j in (row.get(g, PRIOR) for row, g in zip(self.lookup_alpha, lookup.grades))]
         rivals = torch.zeros(len(chains), max(map(len, chains), default=0))
         for b, chain in enumerate(chains):
             rivals[b, : len(chain)] = alphas[b] ** torch.arange(1, len(chain) + 1)
@@ -106,19 +109,20 @@ class HybridDrafter(Drafter):
         self.tree.observe_hidden(hidden)
 
     def update(self, new_tokens, n_accepted) -> None:
-        for row, (chain, new) in enumerate(zip(self.last_chain, new_tokens)):
+        for row, ((chain, grade), new) in enumerate(zip(self.last_chain, new_tokens)):
             if chain:  # how far the lookup chain ran along what the target accepted
                 m = 0
                 while m < min(len(chain), len(new)) and chain[m] == new[m]:
                     m += 1
-                self.hits[row] = LOOKUP_DECAY * self.hits[row] + m
-                self.judged[row] = LOOKUP_DECAY * self.judged[row] + min(m + 1, len(chain), len(new))
-        self.last_chain = [[] for _ in new_tokens]
+                hits, judged = self.lookup_alpha[row].get(grade, PRIOR)
+                self.lookup_alpha[row][grade] = [LOOKUP_DECAY * hits + m,
+                                                 LOOKUP_DECAY * judged + min(m + 1, len(chain), len(new))]
+        self.last_chain = [([], 0) for _ in new_tokens]
         self.tree.update(new_tokens, n_accepted)
         self.lookup.update(new_tokens, n_accepted)
 
     # per-row state (PerRow): both inner drafters' rows, and how well the lookup does per row
-    row_fields = ("tree", "lookup", "hits", "judged", "last_chain")
+    row_fields = ("tree", "lookup", "lookup_alpha", "last_chain")
 
     def fork(self) -> "HybridDrafter":
         other = super().fork()
