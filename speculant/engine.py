@@ -242,7 +242,9 @@ class Engine:
         rows = [Row(list(r.prompt), r.max_new_tokens, r.stop, r.cancelled, t0=t0,
                     logprobs=None if r.logprobs is None else [], stats=Stats(**stats)) for r in req.rows]
         per_pass = drafter.block_drafts or drafter.makes_trees  # a pass's drafting cost does not grow with γ
-        if req.gamma != "auto":
+        if drafter.drafts_nothing:  # plain decoding: γ 0, never asked to propose
+            control = FixedGamma(0, self.costs, per_pass)
+        elif req.gamma != "auto":
             control = FixedGamma(req.gamma, self.costs, per_pass)
         elif drafter.makes_trees:
             control = TreeGamma(n, most, costs=self.costs, per_pass=per_pass)
@@ -561,6 +563,8 @@ def _cap(prop: Proposal, caps: list[int], block_width=None) -> Proposal:
     """Limit row b to caps[b] drafts (a tree: its first caps[b] nodes, themselves a tree) and drop
     block columns no row uses (a narrower verify pass), or keep ``block_width(used)`` columns: past
     every row's length they are verified and ignored, like a batch's shorter rows."""
+    if prop.tokens.shape[1] == 0 and (block_width is None or block_width(0) == 0):
+        return prop  # nothing proposed (a plain pass): nothing to cap
     lengths = torch.minimum(prop.lengths, torch.tensor(caps, device=prop.lengths.device, dtype=prop.lengths.dtype))
     width = int(lengths.max()) if lengths.numel() else 0
     if block_width is not None:

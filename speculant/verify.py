@@ -27,6 +27,8 @@ def greedy_verify(target_choice: torch.Tensor, draft: torch.Tensor, draft_len: t
     Returns (n_accepted [B], next_token [B]): the output of this pass is draft[:n] + [next_token].
     """
     G = draft.shape[1]
+    if G == 0:  # a plain pass: the target's own token (saves a plain step's few tensor ops)
+        return torch.zeros_like(draft_len), target_choice[:, 0]
     accept = (draft == target_choice[:, :G]) & _real_slots(draft_len, G)
     n = _first_rejection(accept)
     return n, target_choice.gather(1, n[:, None]).squeeze(1)

@@ -116,6 +116,8 @@ class Drafter(PerRow, ABC):
     makes_trees: bool = False
     # proposing costs next to nothing and does not grow with the draft's length (model-free drafters)
     free_drafts: bool = False
+    # never proposes a token (``none``): every pass is a plain one, with no γ to choose
+    drafts_nothing: bool = False
     # the target layers whose hidden states this drafter reads (trained drafters): the verify pass
     # returns them at no extra pass (id L < target layers: the input of layer L; id = target layers:
     # the final normed state) and the engine hands over those of the tokens it accepted

@@ -10,6 +10,7 @@ from .spec import DrafterKind
 
 class NoDrafter(Drafter):
     name = "none"
+    drafts_nothing = True  # every pass is plain: the engine runs no γ control and asks for no proposal
 
     def start(self, ctx: DraftContext) -> None:
         self.device = ctx.device
