@@ -564,7 +564,7 @@ def _cap(prop: Proposal, caps: list[int], block_width=None) -> Proposal:
     block columns no row uses (a narrower verify pass), or keep ``block_width(used)`` columns: past
     every row's length they are verified and ignored, like a batch's shorter rows."""
     if prop.tokens.shape[1] == 0 and (block_width is None or block_width(0) == 0):
-        return prop  # nothing proposed (a plain pass): nothing to cap
+        return Proposal(prop.tokens, prop.lengths, grades=prop.grades)  # nothing proposed: a plain pass
     lengths = torch.minimum(prop.lengths, torch.tensor(caps, device=prop.lengths.device, dtype=prop.lengths.dtype))
     width = int(lengths.max()) if lengths.numel() else 0
     if block_width is not None:

@@ -117,8 +117,9 @@ def median_repeats(recs: list[dict]) -> list[dict]:
 def _group_metrics(recs: list[dict], rows: list[dict], ref: dict) -> dict:
     """``rows``: all rows of ``recs``."""
     timed = median_repeats(recs)
-    tokens = sum(r["new_tokens"] for rec in timed for r in rec["rows"])
+    tokens = sum(r["new_tokens"] for rec in timed for r in rec["rows"])  # the tokens/s of the median repeats
     seconds = sum(rec["seconds"] for rec in timed)
+    all_tokens = sum(r["new_tokens"] for r in rows)
     passes = sum(r["target_forward_passes"] for r in rows if r["target_forward_passes"] is not None)
     drafted = [r["draft_tokens"] for r in rows if r["draft_tokens"] is not None]
     accepted = [r["accepted_draft_tokens"] for r in rows if r["accepted_draft_tokens"] is not None]
@@ -126,20 +127,19 @@ def _group_metrics(recs: list[dict], rows: list[dict], ref: dict) -> dict:
     for rec in recs:
         by_repeat[rec.get("repeat", 0)][1] += rec["seconds"]
         by_repeat[rec.get("repeat", 0)][0] += sum(r["new_tokens"] for r in rec["rows"])
-    tau = _ratio(sum(r["new_tokens"] for r in rows), passes) if passes else None
+    tau = _ratio(all_tokens, passes) if passes else None
     tree_passes = sum(r.get("tree_passes") or 0 for r in rows)
     drafter_seconds = sum(r.get("drafter_seconds") or 0.0 for r in rows)
     out = {
         "prompts": len({r["prompt_id"] for r in rows}),
         "calls": len(recs),
-        "new_tokens": sum(r["new_tokens"] for r in rows),
+        "new_tokens": all_tokens,
         "seconds": seconds,  # of the median repeats
-
         "tokens_per_second": _ratio(tokens, seconds),
         "tokens_per_second_by_repeat": [_ratio(t, s) for _, (t, s) in sorted(by_repeat.items())],
         "acceptance_rate": _ratio(sum(accepted), sum(drafted)) if drafted and sum(drafted) else None,
         "mean_accepted_tokens": tau,
-        "target_passes_per_token": _ratio(passes, sum(r["new_tokens"] for r in rows)) if passes else None,
+        "target_passes_per_token": _ratio(passes, all_tokens) if passes else None,
         "acceptance_by_position": acceptance_by_position(rows) if drafted else [],
         # token trees: nodes verified per tree pass; what drafting costs per target pass
         "mean_tree_nodes": _ratio(sum(r.get("tree_nodes") or 0 for r in rows), tree_passes) if tree_passes else None,

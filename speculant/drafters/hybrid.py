@@ -9,11 +9,12 @@ by score, so the engine's controller keeps the nodes worth verifying from either
 Scores estimate each node's chance of being on the target's path. The tree drafter brings its
 own; a lookup node at depth d scores α̂^d, where α̂ is the row's running share of lookup drafts
 the target accepted, kept per grade of the chain (the length of the n-gram it matched: a 1-token
-match is followed far less often than a 3-token one); a path both propose takes the larger score. Scores never grow along a path,
-so best first lists every parent before its children and any prefix is a tree. The lookup chain is
-drafted first and its scores are handed to the tree drafter (``propose_among``): a head that grows
-its tree depth by depth stops once none of its deeper nodes could beat them to the γ slots, so a
-chain the text keeps confirming (RAG, summaries) spares most of the head's forwards.
+match is followed far less often than a 3-token one); a path both propose takes the larger
+score. Scores never grow along a path, so best first lists every parent before its children and
+any prefix is a tree. The lookup chain is drafted first and its scores are handed to the tree
+drafter (``propose_among``): a head that grows its tree depth by depth stops once none of its
+deeper nodes could beat them to the γ slots, so a chain the text keeps confirming (RAG,
+summaries) spares most of the head's forwards.
 
 Both drafts are deterministic functions of the accepted text (q one-hot), so greedy and sampled
 verification stay exact.
