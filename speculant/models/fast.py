@@ -18,6 +18,7 @@ qwen2, smollm): see ``supports``. Anything else runs on the general path (``KVSt
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 
@@ -73,7 +74,7 @@ class _MatmulSet:
     head: object  # the lm_head: a module, a PackedLinear or a RowLinear
     layer_fn: object  # decoder_layer, or its torch.compile'd twin, or quantized_layer
     final_norm: object = None  # h -> the final norm's output: None for _rms_norm
-    # (heads, kv heads, head size, eps) -> every layer in one call (BoundLayers), or None
+    # () -> every layer in one call (BoundLayers), or None
     all_layers: object = None
 
 
@@ -279,14 +280,9 @@ def quantized_kernels(fast: "FastLlama", plain: list[dict], qweights: dict) -> K
     if all(len(w.get("quantized", ())) == 4 for w in ks.layers) and k is not None and cfg.hidden_size % 16 == 0 \
             and fast.head_dim % 2 == 0:
         ks.layer_fn = quantized_layer
-        bound: list[BoundLayers] = []  # bound at the first pass that runs them all
-
-        def all_layers(n_heads: int, n_kv: int, head_dim: int, eps: float) -> BoundLayers:
-            if not bound:
-                bound.append(BoundLayers(ks.layers, n_heads, n_kv, head_dim, eps))
-            return bound[0]
-
-        ks.all_layers = all_layers
+        # bound at the first pass that runs them all (a model whose attention is not the kernel never is)
+        ks.all_layers = functools.cache(lambda: BoundLayers(ks.layers, fast.n_heads, fast.n_kv, fast.head_dim,
+                                                            fast.eps))
         ks.final_norm = lambda h: k.norm(h.contiguous(), fast.norm.weight, fast.eps).view(h.shape)
         ks.invariance = {"layers": "quantized kernels (a row at a time)", "attention": ks.attention.describe(),
                          "lm_head": ks.invariance["linears"]}
@@ -466,8 +462,7 @@ class FastLlama:
         attend = None if layout is None else PassAttention(self.attention, layout, self.scaling)
         tapped = {}
         if mm.all_layers is not None and layers is None and not taps and getattr(attend, "kernel", False):
-            run = mm.all_layers(self.n_heads, self.n_kv, self.head_dim, self.eps)  # every layer in one call
-            h = run(h, cos, sin, keys, values, idx[1], attend.layout, self.scaling)
+            h = mm.all_layers()(h, cos, sin, keys, values, idx[1], attend.layout, self.scaling)  # one call
         else:
             for i in range(self.n_layers) if layers is None else layers:
                 if i in taps:
