@@ -263,9 +263,10 @@ def test_the_eagle_head_on_the_kernels_computes_its_own_forward(tmp_path):
 
 @needs_kernel
 @pytest.mark.parametrize("int8", [True, False])  # q8, and quantized (float32 activations)
-def test_every_layer_in_one_call_gives_the_bits_of_a_call_a_layer(monkeypatch, int8):
+def test_every_layer_in_one_call_gives_the_bits_of_a_call_a_layer(q8_kernels, monkeypatch, int8):
     """A pass runs every bound layer in one kernel call (BoundLayers): the logits and caches of a
-    prefill, a verify block beside another row and a token tree are those of one call a layer."""
+    prefill, a verify block beside another row and a token tree are those of one call a layer, on
+    every x86 ISA branch (forced builds)."""
     from speculant.models import fast as fast_module
 
     model = _q8_tiny(seed=6) if int8 else _quantized_tiny(6)
