@@ -195,6 +195,36 @@ def test_a_query_that_sees_nothing_gets_no_nans():
         assert not out.isnan().any(), mode
 
 
+@pytest.mark.skipif(cpu_attention.kernel() is None, reason="no compiled CPU kernels here")
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_the_kernel_spreads_a_long_context_step_over_threads_with_the_same_bits(dtype):
+    """A one-token step or a short block over a long context has few tasks (one a kv head), which the
+    compiled attention spreads over the threads step by step (keys, softmaxes, heads); many tasks, or
+    a long block, it runs a task a thread. A query gets the same bits either way, in a tree too."""
+    from speculant.models import quantized
+
+    k = quantized.kernels()
+    g = torch.Generator().manual_seed(0)
+    H, Hkv, D, S = 9, 3, 64, 400
+    keys, values = (torch.randn(6, Hkv, S, D, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(6, H, 9, D, generator=g).to(dtype)
+    count = torch.randint(280, S, (6, 9), generator=g)
+    no_slots = torch.empty(0, dtype=torch.long)
+    many = k.attend(q, keys, values, no_slots, count, 0.125)  # 18 tasks (6 rows x 3 kv heads): a task a thread
+    long_block = k.attend(q[:1], keys[:1], values[:1], no_slots, count[:1], 0.125)  # 9 queries: two chunks
+    for t in (0, 8):
+        step = k.attend(q[:1, :, t : t + 1], keys[:1], values[:1], no_slots, count[:1, t : t + 1], 0.125)  # spread
+        assert torch.equal(step, many[:1, :, t : t + 1]) and torch.equal(step, long_block[:, :, t : t + 1])
+    short_block = k.attend(q[:2, :, :4], keys[:2], values[:2], no_slots, count[:2, :4], 0.125)  # 6 tasks: spread
+    assert torch.equal(short_block, many[:2, :, :4])
+    # a tree: each query's keys gathered by slots (its own after a shared prefix), spread or not
+    slots = torch.arange(S).expand(6, 9, S).clone()
+    slots[:, :, 250:] = torch.randperm(S - 250, generator=g) + 250
+    many = k.attend(q, keys, values, slots, count, 0.125)
+    tree = k.attend(q[:1, :, :3], keys[:1], values[:1], slots[:1, :3], count[:1, :3], 0.125)
+    assert torch.equal(tree, many[:1, :, :3])
+
+
 # ---- the whole forward ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])

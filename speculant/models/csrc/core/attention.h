@@ -39,156 +39,261 @@ struct AttentionShape {
   int64_t W;           // slots [B, T, W] (0: query t's key x is slot x)
 };
 
+// Fewer tasks than this over at least SPREAD_KEYS keys (a step or a short block beside a long
+// context: a task a kv head) are spread over the threads step by step: blocks of keys, rows, dims
+constexpr int64_t SPREAD_TASKS = 16, SPREAD_KEYS = 256, SPREAD_BLOCKS = 4;
+
+// keys x0 .. x0 + LANES - 1 of a [S, D] cache with rows `stride` apart, a key per lane: kt[d * LANES
+// + l] is key x0 + l's d (zeros past L). A float32 cache's in NATIVE x NATIVE blocks transposed in
+// registers (a one-token step lays out every key of its context: a float at a time, this took most
+// of its attention's time), asking for the keys two blocks on meanwhile (into L2: 5-10 % faster than
+// into L1 or non-temporal on a 1.5k-token context, a 2-core Zen 4).
+template <typename T>
+inline void lay_out_keys(const T* keys, int64_t stride, int64_t x0, int64_t L, int64_t D, float* kt) {
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t x = x0 + 2 * LANES; x < std::min(x0 + 3 * LANES, L); ++x)
+      for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(keys + x * stride + d, 0, 2);
+    for (int64_t l0 = 0; l0 < LANES; l0 += NATIVE)
+      for (int64_t d0 = 0; d0 < D; d0 += NATIVE) {
+        vn rows[NATIVE];
+        for (int i = 0; i < NATIVE; ++i)
+          rows[i] = x0 + l0 + i < L ? vload<vn>(keys + (x0 + l0 + i) * stride + d0) : vn{};
+        transpose_native(rows);
+        for (int j = 0; j < NATIVE; ++j) vstore(kt + (d0 + j) * LANES + l0, rows[j]);
+      }
+  } else {
+    for (int64_t l = 0; l < LANES; ++l)
+      for (int64_t d = 0; d < D; ++d) kt[d * LANES + l] = x0 + l < L ? to_float(keys[(x0 + l) * stride + d]) : 0.f;
+  }
+}
+
+// The steps of a task: the queries of one batch row, kv head and chunk of queries over their keys.
+// Each (query, head) row's result comes from the same operations in the same order whichever
+// thread runs a step and whatever else it runs with.
+template <typename T>
+struct Attender {
+  const AttentionShape sh;
+  const Strided4<const T> q, k, v;
+  const int64_t* slots;
+  const int64_t* count;
+  const float scale;
+  const Strided4<T> out;
+  const int64_t g = sh.H / sh.Hkv;
+
+  struct Task {
+    int64_t b, h, t0, tn, R, L, L16;
+    const T *kbase, *vbase;
+    std::vector<float> qf;     // the rows' queries [(R + 3), D]; rows R.. zeros (the last group of four's padding)
+    std::vector<float> vf;     // a 16-bit cache's values at slots 0..L-1 as floats
+    const float* values;       // values at slots 0..L-1 (where a query's key x is slot x)
+    int64_t values_stride;
+    std::vector<float> total;  // each row's sum of exps
+  };
+
+  void start(Task& t, int64_t b, int64_t h, int64_t t0, int64_t tn) const {
+    t.b = b, t.h = h, t.t0 = t0, t.tn = tn, t.R = tn * g;
+    int64_t longest = 0;
+    for (int64_t u = 0; u < tn; ++u) longest = std::max(longest, count[b * sh.T + t0 + u]);
+    t.L = std::min(longest, sh.S), t.L16 = (longest + LANES - 1) / LANES * LANES;
+    t.kbase = &k.at(b, h, 0, 0), t.vbase = &v.at(b, h, 0, 0);
+    if constexpr (std::is_same_v<T, float>) {
+      t.values = t.vbase, t.values_stride = v.s2;
+    } else {  // converted once for the task's queries
+      t.vf.resize(std::max<int64_t>(t.L, 1) * sh.D);
+      for (int64_t x = 0; x < t.L; ++x)
+        for (int64_t d = 0; d < sh.D; ++d) t.vf[x * sh.D + d] = to_float(t.vbase[x * v.s2 + d]);
+      t.values = t.vf.data(), t.values_stride = sh.D;
+    }
+    t.qf.assign((t.R + 3) * sh.D, 0.f);
+    for (int64_t u = 0; u < tn; ++u)
+      for (int64_t j = 0; j < g; ++j)
+        for (int64_t d = 0; d < sh.D; ++d) t.qf[(u * g + j) * sh.D + d] = to_float(q.at(b, h * g + j, t0 + u, d));
+    t.total.assign(t.R, 0.f);
+  }
+
+  int64_t slot_of(const Task& t, int64_t u, int64_t x) const {
+    return slots ? slots[(t.b * sh.T + t.t0 + u) * sh.W + x] : x;
+  }
+
+  // rows (query, head) against keys laid out a key per lane, four rows at a time (padded with a zero
+  // row), so every row runs the very same instructions: each key's sum over d in order
+  void score_rows(const Task& t, const std::vector<int64_t>& rows, const float* keys, int64_t x0, float* s) const {
+    const int64_t D = sh.D;
+    for (size_t i = 0; i < rows.size(); i += 4) {
+      const float* qr[4];
+      int64_t to[4];
+      for (int64_t k4 = 0; k4 < 4; ++k4) {
+        const bool real = i + k4 < rows.size();
+        qr[k4] = t.qf.data() + (real ? rows[i + k4] : t.R) * D;  // row R..R+2: zeros
+        to[k4] = real ? rows[i + k4] : t.R;
+      }
+      vn a[4][PARTS] = {};  // the 16 keys' sums as PARTS native vectors: kept in registers
+      for (int64_t d = 0; d < D; ++d) {
+#pragma GCC unroll 4
+        for (int p = 0; p < PARTS; ++p) {
+          const vn kd = vload<vn>(keys + d * LANES + p * NATIVE);
+#pragma GCC unroll 4
+          for (int r = 0; r < 4; ++r) a[r][p] += qr[r][d] * kd;
+        }
+      }
+      for (int r = 0; r < 4; ++r)
+        for (int p = 0; p < PARTS; ++p) vstore(s + to[r] * t.L16 + x0 + p * NATIVE, a[r][p] * scale);
+    }
+  }
+
+  struct Scratch {  // a thread's: keys laid out, a tree node's own keys, rows
+    std::vector<float> kt, own;
+    std::vector<int64_t> shared, mine;
+    explicit Scratch(int64_t D) : kt(D * LANES), own(D * LANES) {}
+  };
+
+  // the scores of keys x0 .. x0 + LANES - 1 for every row of t, into s [(R + 3), L16]
+  void score_block(const Task& t, int64_t x0, float* s, Scratch& w) const {
+    const int64_t D = sh.D;
+    lay_out_keys(t.kbase, k.s2, x0, t.L, D, w.kt.data());
+    w.shared.clear();
+    for (int64_t u = 0; u < t.tn; ++u) {
+      const int64_t n = count[t.b * sh.T + t.t0 + u];
+      if (x0 >= n) continue;
+      bool moved = false;
+      for (int64_t l = 0; l < LANES && x0 + l < n; ++l) moved |= slot_of(t, u, x0 + l) != x0 + l;
+      if (!moved) {
+        for (int64_t j = 0; j < g; ++j) w.shared.push_back(u * g + j);
+        continue;
+      }
+      // a tree node's own keys past where its path leaves the shared slots
+      std::fill(w.own.begin(), w.own.end(), 0.f);
+      for (int64_t l = 0; l < LANES && x0 + l < n; ++l) {
+        const T* src = t.kbase + slot_of(t, u, x0 + l) * k.s2;
+        for (int64_t d = 0; d < D; ++d) w.own[d * LANES + l] = to_float(src[d]);
+      }
+      w.mine.clear();
+      for (int64_t j = 0; j < g; ++j) w.mine.push_back(u * g + j);
+      score_rows(t, w.mine, w.own.data(), x0, s);
+    }
+    score_rows(t, w.shared, w.kt.data(), x0, s);
+  }
+
+  // row (u, j)'s max, exps (in place) and their sum, key after key; a query that sees nothing: zeros out
+  void softmax(Task& t, int64_t u, int64_t j, float* s) const {
+    const int64_t n = count[t.b * sh.T + t.t0 + u];
+    if (n <= 0) {  // a padding column
+      for (int64_t d = 0; d < sh.D; ++d) out.at(t.b, t.h * g + j, t.t0 + u, d) = from_float<T>(0.f);
+      return;
+    }
+    float* sr = s + (u * g + j) * t.L16;
+    float m = sr[0];
+    for (int64_t x = 1; x < n; ++x) m = std::max(m, sr[x]);
+    for (int64_t x = 0; x < n; x += NATIVE)  // the row has L16 >= n columns: whole vectors
+      vstore(sr + x, exp_vector(vload<vn>(sr + x) - m));
+    float l = 0.f;
+    for (int64_t x = 0; x < n; ++x) l += sr[x];
+    t.total[u * g + j] = l;
+  }
+
+  // heads j and j + 1 of query u (a zero weight pads a last single head): the probability-weighted
+  // values key after key (in registers where the head dim is NC native vectors), over the rows' sums
+  template <int64_t NC>
+  void weigh(const Task& t, int64_t u, int64_t j, const float* s, float* row) const {
+    const int64_t n = count[t.b * sh.T + t.t0 + u], D = sh.D, nc = NC ? NC : D / NATIVE;
+    if (n <= 0) return;
+    const float* w0 = s + (u * g + j) * t.L16;
+    const float* w1 = j + 1 < g ? w0 + t.L16 : nullptr;
+    vn acc0[NC ? NC : MAX_D / NATIVE] = {}, acc1[NC ? NC : MAX_D / NATIVE] = {};
+    for (int64_t x = 0; x < n; ++x) {
+      const int64_t slot = slot_of(t, u, x);
+      const float* val = t.values + x * t.values_stride;
+      if (slot != x || x >= t.L) {
+        const T* src = t.vbase + slot * v.s2;
+        for (int64_t d = 0; d < D; ++d) row[d] = to_float(src[d]);
+        val = row;
+      }
+      const float p0 = w0[x], p1 = w1 ? w1[x] : 0.f;
+#pragma GCC unroll 32
+      for (int64_t c = 0; c < (NC ? NC : nc); ++c) {
+        const vn vc = vload<vn>(val + c * NATIVE);
+        acc0[c] += p0 * vc;
+        acc1[c] += p1 * vc;
+      }
+    }
+    for (int64_t i = 0; i < 2 && j + i < g; ++i) {
+      const vn* acc = i ? acc1 : acc0;
+      for (int64_t c = 0; c < nc; ++c)
+        for (int64_t lane = 0; lane < NATIVE; ++lane)
+          out.at(t.b, t.h * g + j + i, t.t0 + u, c * NATIVE + lane) =
+              from_float<T>(acc[c][lane] / t.total[u * g + j + i]);
+    }
+  }
+
+  void weigh_pair(const Task& t, int64_t u, int64_t j, const float* s, float* row) const {
+    if (sh.D == 64)
+      weigh<64 / NATIVE>(t, u, j, s, row);
+    else if (sh.D == 128)
+      weigh<128 / NATIVE>(t, u, j, s, row);
+    else
+      weigh<0>(t, u, j, s, row);
+  }
+};
+
 // q, out: [B, H, T, D]; k, v: [B, Hkv, S, D] (rows contiguous); slots: [B, T, W] or null; count [B, T]
 template <typename T>
 void attend(const AttentionShape& sh, Strided4<const T> q, Strided4<const T> k, Strided4<const T> v,
             const int64_t* slots, const int64_t* count, float scale, Strided4<T> out, const ParallelFor& parallel) {
-  const int64_t B = sh.B, T_ = sh.T, D = sh.D, Hkv = sh.Hkv, S = sh.S, W = sh.W;
-  const int64_t g = sh.H / Hkv;
+  const Attender<T> at{sh, q, k, v, slots, count, scale, out};
+  const int64_t B = sh.B, T_ = sh.T, D = sh.D, Hkv = sh.Hkv, S = sh.S, g = at.g;
   const int64_t Q = T_ >= 4 * QUERIES_LONG
                         ? std::clamp(SCORES_HELD / (g * (S + LANES)), QUERIES, QUERIES_LONG)
                         : QUERIES;
   const int64_t chunks = (T_ + Q - 1) / Q;
+  int64_t longest = 0;
+  for (int64_t i = 0; i < B * T_; ++i) longest = std::max(longest, count[i]);
+  if (chunks == 1 && B * Hkv < SPREAD_TASKS && std::min(longest, S) >= SPREAD_KEYS) {
+    const int64_t tasks = B * Hkv;
+    std::vector<typename Attender<T>::Task> ts(tasks);
+    std::vector<std::vector<float>> scores(tasks);
+    for (int64_t i = 0; i < tasks; ++i) {
+      at.start(ts[i], i / Hkv, i % Hkv, 0, T_);
+      scores[i].assign((ts[i].R + 3) * ts[i].L16, 0.f);
+    }
+    int64_t blocks = 0;  // of the task with the most keys
+    for (const auto& t : ts) blocks = std::max(blocks, t.L16 / LANES);
+    const int64_t pieces = (blocks + SPREAD_BLOCKS - 1) / SPREAD_BLOCKS;
+    parallel(tasks * pieces, 1, [&](int64_t begin, int64_t end) {  // the scores, blocks of keys at a time
+      typename Attender<T>::Scratch w(D);
+      for (int64_t item = begin; item < end; ++item) {
+        const auto& t = ts[item / pieces];
+        const int64_t x_end = std::min(t.L16, (item % pieces + 1) * SPREAD_BLOCKS * LANES);
+        for (int64_t x0 = (item % pieces) * SPREAD_BLOCKS * LANES; x0 < x_end; x0 += LANES)
+          at.score_block(t, x0, scores[item / pieces].data(), w);
+      }
+    });
+    const int64_t R = T_ * g;
+    parallel(tasks * R, 1, [&](int64_t begin, int64_t end) {  // each row's softmax
+      for (int64_t item = begin; item < end; ++item)
+        at.softmax(ts[item / R], item % R / g, item % R % g, scores[item / R].data());
+    });
+    const int64_t pairs = (g + 1) / 2;
+    parallel(tasks * T_ * pairs, 1, [&](int64_t begin, int64_t end) {  // the weighted values, two heads at a time
+      std::vector<float> row(D);
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t task = item / (T_ * pairs), u = item / pairs % T_;
+        at.weigh_pair(ts[task], u, 2 * (item % pairs), scores[task].data(), row.data());
+      }
+    });
+    return;
+  }
   parallel(B * Hkv * chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, vf_, s, kt(D * LANES), own(D * LANES), row(D), total(g);
+    typename Attender<T>::Task t;
+    typename Attender<T>::Scratch w(D);
+    std::vector<float> s, row(D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / (Hkv * chunks), h = (item / chunks) % Hkv, t0 = (item % chunks) * Q;
-      const int64_t tn = std::min(Q, T_ - t0), R = tn * g;
-      int64_t longest = 0;
-      for (int64_t u = 0; u < tn; ++u) longest = std::max(longest, count[b * T_ + t0 + u]);
-      const int64_t L = std::min(longest, S), L16 = (longest + LANES - 1) / LANES * LANES;
-      const T* kbase = &k.at(b, h, 0, 0);
-      const T* vbase = &v.at(b, h, 0, 0);
-      // values at slots 0..L-1 (where a query's key x is slot x) as floats: a 16-bit cache's
-      // converted once for the task's queries, a float32 cache's read in place
-      const float* values_f = nullptr;
-      int64_t values_stride = D;
-      if constexpr (std::is_same_v<T, float>) {
-        values_f = vbase, values_stride = v.s2;
-      } else {
-        vf_.resize(std::max<int64_t>(L, 1) * D);
-        for (int64_t x = 0; x < L; ++x)
-          for (int64_t d = 0; d < D; ++d) vf_[x * D + d] = to_float(vbase[x * v.s2 + d]);
-        values_f = vf_.data();
-      }
-      qf.assign((R + 3) * D, 0.f);  // rows R.. stay zero: the padding of the last group of four
-      for (int64_t u = 0; u < tn; ++u)
-        for (int64_t j = 0; j < g; ++j)
-          for (int64_t d = 0; d < D; ++d) qf[(u * g + j) * D + d] = to_float(q.at(b, h * g + j, t0 + u, d));
-      auto slot_of = [&](int64_t u, int64_t x) { return slots ? slots[(b * T_ + t0 + u) * W + x] : x; };
-      // scores, LANES keys at a time: a key per lane, each summed over d in order. Rows (query, head)
-      // go four at a time (padded with a zero row), so every row runs the very same instructions.
-      s.assign((R + 3) * L16, 0.f);
-      std::vector<int64_t> rows_shared, rows_own;
-      auto score_rows = [&](const std::vector<int64_t>& rows, const float* keys, int64_t x0) {
-        for (size_t i = 0; i < rows.size(); i += 4) {
-          const float* qr[4];
-          int64_t to[4];
-          for (int64_t k4 = 0; k4 < 4; ++k4) {
-            const bool real = i + k4 < rows.size();
-            qr[k4] = qf.data() + (real ? rows[i + k4] : R) * D;  // row R..R+2: zeros
-            to[k4] = real ? rows[i + k4] : R;
-          }
-          vn a[4][PARTS] = {};  // the 16 keys' sums as PARTS native vectors: kept in registers
-          for (int64_t d = 0; d < D; ++d) {
-#pragma GCC unroll 4
-            for (int p = 0; p < PARTS; ++p) {
-              const vn kd = vload<vn>(keys + d * LANES + p * NATIVE);
-#pragma GCC unroll 4
-              for (int r = 0; r < 4; ++r) a[r][p] += qr[r][d] * kd;
-            }
-          }
-          for (int r = 0; r < 4; ++r)
-            for (int p = 0; p < PARTS; ++p) vstore(s.data() + to[r] * L16 + x0 + p * NATIVE, a[r][p] * scale);
-        }
-      };
-      for (int64_t x0 = 0; x0 < L16; x0 += LANES) {
-        for (int64_t l = 0; l < LANES; ++l) {  // the block's keys, a key per lane (zeros past L)
-          if (x0 + l < L) {
-            const T* src = kbase + (x0 + l) * k.s2;
-            for (int64_t d = 0; d < D; ++d) kt[d * LANES + l] = to_float(src[d]);
-          } else {
-            for (int64_t d = 0; d < D; ++d) kt[d * LANES + l] = 0.f;
-          }
-        }
-        rows_shared.clear();
-        for (int64_t u = 0; u < tn; ++u) {
-          const int64_t n = count[b * T_ + t0 + u];
-          if (x0 >= n) continue;
-          bool moved = false;
-          for (int64_t l = 0; l < LANES && x0 + l < n; ++l) moved |= slot_of(u, x0 + l) != x0 + l;
-          if (!moved) {
-            for (int64_t j = 0; j < g; ++j) rows_shared.push_back(u * g + j);
-            continue;
-          }
-          // a tree node's own keys past where its path leaves the shared slots
-          std::fill(own.begin(), own.end(), 0.f);
-          for (int64_t l = 0; l < LANES && x0 + l < n; ++l) {
-            const T* src = kbase + slot_of(u, x0 + l) * k.s2;
-            for (int64_t d = 0; d < D; ++d) own[d * LANES + l] = to_float(src[d]);
-          }
-          rows_own.clear();
-          for (int64_t j = 0; j < g; ++j) rows_own.push_back(u * g + j);
-          score_rows(rows_own, own.data(), x0);
-        }
-        score_rows(rows_shared, kt.data(), x0);
-      }
-      for (int64_t u = 0; u < tn; ++u) {
-        const int64_t n = count[b * T_ + t0 + u];
-        if (n <= 0) {  // sees nothing (a padding column): zeros
-          for (int64_t j = 0; j < g; ++j)
-            for (int64_t d = 0; d < D; ++d) out.at(b, h * g + j, t0 + u, d) = from_float<T>(0.f);
-          continue;
-        }
-        for (int64_t j = 0; j < g; ++j) {  // each (query, head): its max, exps and their sum, in order
-          float* sr = s.data() + (u * g + j) * L16;
-          float m = sr[0];
-          for (int64_t x = 1; x < n; ++x) m = std::max(m, sr[x]);
-          for (int64_t x = 0; x < n; x += NATIVE)  // the row has L16 >= n columns: whole vectors
-            vstore(sr + x, exp_vector(vload<vn>(sr + x) - m));
-          float l = 0.f;
-          for (int64_t x = 0; x < n; ++x) l += sr[x];
-          total[j] = l;
-        }
-        // probability-weighted values, key after key, two heads at a time (a zero weight pads the
-        // last pair), the outputs in registers where the head dim is 64 or 128
-        auto weigh = [&](auto width) {
-          constexpr int64_t NC = decltype(width)::value / NATIVE;  // native vectors of a head's values
-          const int64_t nc = NC ? NC : D / NATIVE;
-          for (int64_t j = 0; j < g; j += 2) {
-            const float* w0 = s.data() + (u * g + j) * L16;
-            const float* w1 = j + 1 < g ? w0 + L16 : nullptr;
-            vn acc0[NC ? NC : MAX_D / NATIVE] = {}, acc1[NC ? NC : MAX_D / NATIVE] = {};
-            for (int64_t x = 0; x < n; ++x) {
-              const int64_t slot = slot_of(u, x);
-              const float* val = values_f + x * values_stride;
-              if (slot != x || x >= L) {
-                const T* src = vbase + slot * v.s2;
-                for (int64_t d = 0; d < D; ++d) row[d] = to_float(src[d]);
-                val = row.data();
-              }
-              const float p0 = w0[x], p1 = w1 ? w1[x] : 0.f;
-#pragma GCC unroll 32
-              for (int64_t c = 0; c < (NC ? NC : nc); ++c) {
-                const vn vc = vload<vn>(val + c * NATIVE);
-                acc0[c] += p0 * vc;
-                acc1[c] += p1 * vc;
-              }
-            }
-            for (int64_t i = 0; i < 2 && j + i < g; ++i) {
-              const vn* acc = i ? acc1 : acc0;
-              for (int64_t c = 0; c < nc; ++c)
-                for (int64_t lane = 0; lane < NATIVE; ++lane)
-                  out.at(b, h * g + j + i, t0 + u, c * NATIVE + lane) = from_float<T>(acc[c][lane] / total[j + i]);
-            }
-          }
-        };
-        if (D == 64)
-          weigh(std::integral_constant<int64_t, 64>{});
-        else if (D == 128)
-          weigh(std::integral_constant<int64_t, 128>{});
-        else
-          weigh(std::integral_constant<int64_t, 0>{});
+      at.start(t, b, h, t0, std::min(Q, T_ - t0));
+      s.assign((t.R + 3) * t.L16, 0.f);
+      for (int64_t x0 = 0; x0 < t.L16; x0 += LANES) at.score_block(t, x0, s.data(), w);
+      for (int64_t u = 0; u < t.tn; ++u) {
+        for (int64_t j = 0; j < g; ++j) at.softmax(t, u, j, s.data());
+        for (int64_t j = 0; j < g; j += 2) at.weigh_pair(t, u, j, s.data(), row.data());
       }
     }
   });

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 namespace spk {
 
@@ -59,6 +60,34 @@ inline V exp_vector(V x) {
   V p;
   std::memcpy(&p, &bits, sizeof p);
   return y * p;
+}
+
+// NATIVE x NATIVE floats transposed in registers: rows[i][j] becomes rows[j][i], by swapping the
+// off-diagonal blocks of each size S in turn (two-register shuffles): data moves, no arithmetic.
+// Of rows i and i + S (i & S == 0), the first takes lanes K of a where K & S == 0, else b's lane
+// K - S; the second a's lane K + S where K & S == 0, else b's lane K.
+#define SPK_SWAP_LANE(K, S, HIGH) ((K & S) == 0 ? K + (HIGH ? S : 0) : NATIVE + K - (HIGH ? 0 : S))
+template <int S, bool HIGH, int... K>
+inline vn swap_blocks(vn a, vn b, std::integer_sequence<int, K...>) {
+#if defined(__clang__)
+  return __builtin_shufflevector(a, b, SPK_SWAP_LANE(K, S, HIGH)...);
+#else
+  typedef int32_t vni __attribute__((vector_size(sizeof(vn))));
+  return __builtin_shuffle(a, b, vni{SPK_SWAP_LANE(K, S, HIGH)...});
+#endif
+}
+#undef SPK_SWAP_LANE
+template <int S = 1>
+inline void transpose_native(vn (&rows)[NATIVE]) {
+  if constexpr (S < NATIVE) {
+    constexpr auto lanes = std::make_integer_sequence<int, NATIVE>{};
+    for (int i = 0; i < NATIVE; ++i)
+      if ((i & S) == 0) {
+        const vn a = rows[i], b = rows[i + S];
+        rows[i] = swap_blocks<S, false>(a, b, lanes), rows[i + S] = swap_blocks<S, true>(a, b, lanes);
+      }
+    transpose_native<S * 2>(rows);
+  }
 }
 
 // the lanes' sum in the fixed tree of the arch headers' sum16

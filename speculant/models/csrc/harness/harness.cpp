@@ -112,26 +112,30 @@ void linears(Random& rng, bool int8, bool half = false) {
     }
 }
 
+// short: up to 4 blocks of keys (3 laid out ahead), a task a kv head; long: 300+ keys, whose few
+// tasks attend spreads over the threads step by step
 template <typename T>
-void attention(Random& rng, const char* type) {
-  const int64_t B = 2, H = 4, Hkv = 2, T_ = 5, D = 32, S = 40, W = S;
+void attention(Random& rng, const char* type, bool long_context) {
+  const int64_t B = 2, H = 4, Hkv = 2, T_ = 5, D = 32, S = long_context ? 340 : 72, W = S;
+  const int64_t first = long_context ? 290 : 17;
   std::vector<T> q(B * H * T_ * D), k(B * Hkv * S * D), v(B * Hkv * S * D), out(q.size());
   for (auto* t : {&q, &k, &v})
     for (auto& e : *t) e = spk::from_float<T>(rng.uniform(-2, 2));
   std::vector<int64_t> count(B * T_), slots(B * T_ * W);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < T_; ++t) {
-      count[b * T_ + t] = 17 + 2 * t + b;
-      for (int64_t x = 0; x < W; ++x) slots[(b * T_ + t) * W + x] = x < 17 ? x : (x * 7 + t) % S;  // a tree's own keys
+      count[b * T_ + t] = first + 9 * t + b;
+      for (int64_t x = 0; x < W; ++x) slots[(b * T_ + t) * W + x] = x < first ? x : (x * 7 + t) % S;  // a tree's own keys
     }
   const spk::AttentionShape sh{B, H, T_, D, Hkv, S, W};
   const spk::Strided4<const T> qs{q.data(), H * T_ * D, T_ * D, D, 1}, ks{k.data(), Hkv * S * D, S * D, D, 1},
       vs{v.data(), Hkv * S * D, S * D, D, 1};
   const spk::Strided4<T> os{out.data(), H * T_ * D, T_ * D, D, 1};
   spk::attend<T>(sh, qs, ks, vs, nullptr, count.data(), 0.125f, os, spk::serial_for);
-  report(std::string("attention chain ") + type, out);
+  const std::string name = std::string(long_context ? "long " : "") + type;
+  report("attention chain " + name, out);
   spk::attend<T>(sh, qs, ks, vs, slots.data(), count.data(), 0.125f, os, spk::serial_for);
-  report(std::string("attention tree ") + type, out);
+  report("attention tree " + name, out);
 }
 
 void layers(Random& rng) {
@@ -188,9 +192,11 @@ int main() {
   linears(rng, false);
   linears(rng, true);
   linears(rng, true, true);
-  attention<float>(rng, "float32");
-  attention<spk::bf16>(rng, "bfloat16");
-  attention<spk::f16>(rng, "float16");
+  for (const bool long_context : {false, true}) {
+    attention<float>(rng, "float32", long_context);
+    attention<spk::bf16>(rng, "bfloat16", long_context);
+    attention<spk::f16>(rng, "float16", long_context);
+  }
   layers(rng);
   return failures ? 1 : 0;
 }
