@@ -117,6 +117,32 @@ def test_float16_scales_give_the_float32_layouts_bits(q8_kernels, bits):
 
 
 @needs_kernel
+def test_the_compiled_argmax_is_pytorchs_max_indices(q8_kernels, monkeypatch):
+    """Greedy decoding's argmax (sampling.argmax takes the kernel's where it is loaded): the first of
+    equal values, the first NaN, infinities, every row length around the vector width, a vocabulary."""
+    from speculant import sampling
+    from speculant.models import native
+
+    g = torch.Generator().manual_seed(0)
+    cases = [torch.randn(3, 5, 49152, generator=g), torch.randn(2, 1, generator=g)]
+    for n in range(1, 70):
+        cases.append(torch.randint(-3, 3, (8, n), generator=g).float())  # many ties
+        cases.append(torch.full((2, n), float("-inf")))
+    x = torch.randn(8, 100, generator=g)
+    x[0, 17] = x[0, 50] = x[1, 99] = x[2, 3] = float("nan")
+    x[3, :] = float("-inf")
+    x[4, 7] = x[4, 60] = float("inf")
+    x[5] = -0.0
+    x[5, 9] = 0.0
+    cases.append(x)
+    for x in cases:
+        assert torch.equal(q8_kernels.argmax(x), x.max(-1).indices), x.shape
+    monkeypatch.setattr(native, "_LOADED", q8_kernels)
+    assert torch.equal(sampling.argmax(cases[0]), cases[0].max(-1).indices)
+    monkeypatch.setattr(native, "_LOADED", None)  # not built in this process: PyTorch's
+    assert torch.equal(sampling.argmax(cases[0]), cases[0].max(-1).indices)
+
+
 def test_every_isa_branch_gives_the_same_int8_bits(monkeypatch):
     import platform
 

@@ -197,23 +197,33 @@ class KeyLayout:
     """Which keys each query sees, in text order: shared by every layer of a pass.
 
     ``span``: the leading cache slots the pass reads (at least KEY_BLOCK); ``width``: softmax columns, a multiple of
-    KEY_BLOCK covering them; ``mask``: additive [B, 1, 1, T, width], 0 for each query's first
+    KEY_BLOCK covering them; ``mask``: additive [B, 1, 1, T, width] of ``dtype``, 0 for each query's first
     ``count`` columns, the dtype's lowest value after; ``order``: [B, T, width] the cache slot of each column (a
     permutation of 0..width-1), or None where column j is slot j (a chain in a static cache)."""
 
     span: int
     width: int
     count: torch.Tensor  # [B, T] visible keys per query
-    mask: torch.Tensor
+    dtype: torch.dtype
     order: torch.Tensor | None = None
     static: bool = False  # span fixed by the caller (the whole cache: CUDA graphs' static shapes)
     shared_blocks: int = 0  # with an order: leading key blocks that are the same slots for every query
 
+    @functools.cached_property
+    def mask(self) -> torch.Tensor:
+        """Made where an attention in PyTorch ops asks (the compiled kernel reads ``count``: a pass
+        over it makes none)."""
+        cols = torch.arange(self.width, device=self.count.device)
+        mask = torch.zeros(*self.count.shape, self.width, dtype=self.dtype, device=self.count.device)
+        # the dtype's lowest value, as HF's eager mask: a query that sees nothing (a padding column) gets
+        # a uniform softmax instead of NaNs, which would reach other rows through the cache's values
+        return mask.masked_fill(cols >= self.count[..., None], torch.finfo(self.dtype).min)[:, None, None]
+
     def row(self, b: int, t: int, order: bool = True) -> "KeyLayout":
         """Query (b, t)'s own layout (with a static span)."""
         o = self.order[b : b + 1, t : t + 1] if order and self.order is not None else None
-        return KeyLayout(self.span, self.width, self.count[b : b + 1, t : t + 1],
-                         self.mask[b : b + 1, :, :, t : t + 1], o, self.static, self.shared_blocks)
+        return KeyLayout(self.span, self.width, self.count[b : b + 1, t : t + 1], self.dtype, o, self.static,
+                         self.shared_blocks)
 
 
 def key_layout(count: torch.Tensor, dtype: torch.dtype, visible: torch.Tensor | None = None,
@@ -228,21 +238,16 @@ def key_layout(count: torch.Tensor, dtype: torch.dtype, visible: torch.Tensor | 
         if visible is not None:
             span = max(span, visible.shape[-1])
     width = -(-span // KEY_BLOCK) * KEY_BLOCK
-    cols = torch.arange(width, device=count.device)
-    mask = torch.zeros(*count.shape, width, dtype=dtype, device=count.device)
-    # the dtype's lowest value, as HF's eager mask: a query that sees nothing (a padding column) gets
-    # a uniform softmax instead of NaNs, which would reach other rows through the cache's values
-    mask = mask.masked_fill(cols >= count[..., None], torch.finfo(dtype).min)[:, None, None]
     order, shared = None, 0
     if visible is not None:
         visible = F.pad(visible, (0, width - visible.shape[-1]))
         # visible slots first in slot order, then the rest: a permutation, so the scatter back is exact
         order = torch.sort((~visible).to(torch.int8), dim=-1, stable=True).indices
         if not static:  # the leading blocks where column j is slot j for every query (a tree's prefix)
-            moved = order != cols
+            moved = order != torch.arange(width, device=count.device)
             first = torch.where(moved.any(-1), moved.to(torch.int8).argmax(-1), width)
             shared = int(first.min()) // KEY_BLOCK
-    return KeyLayout(span, width, count, mask, order, static, shared)
+    return KeyLayout(span, width, count, dtype, order, static, shared)
 
 
 def _scores(q, keys, layout: KeyLayout, scaling: float, rows: Rows):
@@ -328,7 +333,7 @@ def _attend_per_query(q, keys, values, layout: KeyLayout, scaling: float, rows: 
                 slots = layout.order[b, t, :n]
                 k, v = keys[b : b + 1, :, slots], values[b : b + 1, :, slots]
             one = layout.row(b, t, order=False) if counts is None else key_layout(layout.count.new_full((1, 1), n),
-                                                                                  layout.mask.dtype)
+                                                                                  layout.dtype)
             out[b : b + 1, :, t : t + 1] = alone(q[b : b + 1, :, t : t + 1], k, v, one, scaling, rows)
     return out
 

@@ -98,6 +98,39 @@ inline float lanes_sum(vf v) {
   return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
+// Index of the largest of x[0..n), the first where several are equal, and of the first NaN where
+// there is one (NaN counts as the largest): PyTorch's max(-1).indices. One pass: each lane keeps its
+// largest value and where it first saw it; the lanes' largest, at its first index, is the row's.
+inline int64_t argmax(const float* x, int64_t n) {
+  typedef int32_t vni __attribute__((vector_size(sizeof(vn))));
+  vn most = vn{} - __builtin_inff();
+  vni at{}, index{}, nan{};
+  for (int l = 0; l < NATIVE; ++l) index[l] = l;
+  int64_t i = 0;
+  for (; i + NATIVE <= n && i < (int64_t(1) << 31) - NATIVE; i += NATIVE, index += NATIVE) {
+    const vn v = vload<vn>(x + i);
+    const vni more = v > most;
+    most = more ? v : most;
+    at = more ? index : at;
+    nan |= v != v;
+  }
+  float best = -__builtin_inff();
+  int64_t where = -1;
+  bool any_nan = false;
+  for (int l = 0; l < NATIVE; ++l) {
+    any_nan |= nan[l] != 0;
+    if (i > 0 && (most[l] > best || (most[l] == best && (where < 0 || at[l] < where)))) best = most[l], where = at[l];
+  }
+  for (int64_t j = i; j < n; ++j) {
+    any_nan |= x[j] != x[j];
+    if (where < 0 || x[j] > best) best = x[j], where = j;
+  }
+  if (any_nan)
+    for (int64_t j = 0; j < n; ++j)
+      if (x[j] != x[j]) return j;
+  return where < 0 ? 0 : where;
+}
+
 // element types of caches and activations: float, bfloat16 and float16 stored as 16 bits
 struct bf16 {
   uint16_t bits;
