@@ -39,8 +39,10 @@ struct AttentionShape {
   int64_t W;           // slots [B, T, W] (0: query t's key x is slot x)
 };
 
-// Fewer tasks than this over at least SPREAD_KEYS keys (a step or a short block beside a long
-// context: a task a kv head) are spread over the threads step by step: blocks of keys, rows, dims
+// Fewer tasks than SPREAD_TASKS over at least SPREAD_KEYS keys (a step or a short block over a long
+// context has a task a kv head: 3 on 2 threads left one thread two of them) are spread over the
+// threads step by step: the scores SPREAD_BLOCKS blocks of keys at a time, each row's softmax, the
+// weighted values two heads at a time. Below 256 keys the two extra fork/joins cost what it saves.
 constexpr int64_t SPREAD_TASKS = 16, SPREAD_KEYS = 256, SPREAD_BLOCKS = 4;
 
 // keys x0 .. x0 + LANES - 1 of a [S, D] cache with rows `stride` apart, a key per lane: kt[d * LANES
