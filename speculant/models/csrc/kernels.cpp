@@ -336,7 +336,7 @@ at::Tensor norm(const at::Tensor& h, const at::Tensor& ln, double eps) {
 }
 
 // x: float32 [..., V], rows contiguous. Returns int64 [...]: each row's argmax as PyTorch's
-// max(-1).indices (the first of equal values; the first NaN), 10x faster on a 49k vocabulary.
+// max(-1).indices (the first of equal values; the first NaN): a 49k-logit row in ~8 us, 5x faster.
 at::Tensor argmax(const at::Tensor& x) {
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0, "argmax: x [..., V], V > 0");
   const int64_t V = x.size(-1), M = x.numel() / V;
