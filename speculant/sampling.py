@@ -20,11 +20,21 @@ from typing import Callable
 import torch
 
 from .errors import SpeculantError
-from .models import native
 from .rows import PerRow
 
 
 LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]  # (context token ids, logits [V]) -> logits [V]
+
+
+# The compiled kernels' argmax, handed over by models/native.py once this process has loaded them
+# (a lower layer's hook: sampling never builds or imports the kernels itself)
+_compiled_argmax = None
+
+
+def use_compiled_argmax(fn) -> None:
+    """``fn(x)``: float32 rows [..., V] on a CPU -> int64 [...], as ``max(-1).indices``."""
+    global _compiled_argmax
+    _compiled_argmax = _compiled_argmax or fn
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
@@ -33,10 +43,8 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     compiled kernel's where this process has it (a row of 49k logits: ~8 against ~44 us, 2 cores),
     else ``max``'s indices, as a CPU computes them 3-4x faster than ``argmax`` (26 against 69 us in
     float32, 37 against 164 us in bf16)."""
-    if x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[-1] > 0:
-        k = native.loaded()
-        if k is not None:
-            return k.argmax(x.contiguous())
+    if _compiled_argmax is not None and x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[-1] > 0:
+        return _compiled_argmax(x.contiguous())
     return x.max(-1).indices
 
 

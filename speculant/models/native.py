@@ -20,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 
+from .. import sampling
 from .cpu_kernels import cpu_key
 
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
@@ -71,7 +72,6 @@ def _cpu_flags() -> set[str]:
 ISA_ENV = "SPECULANT_CPU_ISA"
 ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",), "generic": ("-mno-avx512f", "-mno-avx2")}
 _BUILDING = threading.Lock()  # one build at a time in this process (``start_building``'s thread, the caller)
-_LOADED = None  # the first module built or loaded in this process (any ISA's: they compute the same)
 
 
 def build(isa: tuple[str, ...] = ()):
@@ -86,12 +86,6 @@ def build(isa: tuple[str, ...] = ()):
     flags = tuple(dict.fromkeys(ISA_FLAGS[forced] + isa))
     with _BUILDING:
         return _build(tuple(f for f in flags if f not in _TURNS_OFF or _TURNS_OFF[f] in have))
-
-
-def loaded():
-    """The kernels module where this process has built or loaded it already, else None: for callers
-    that use it when it is there and never start a build (sampling's argmax)."""
-    return _LOADED
 
 
 def start_building() -> None:
@@ -119,8 +113,7 @@ def _build(isa: tuple[str, ...]):
         module = cpp_extension.load_inline(name, [(CSRC / "kernels.cpp").read_text()], functions=list(FUNCTIONS),
                                            extra_cflags=all_flags, extra_ldflags=["-fopenmp"],
                                            extra_include_paths=[str(CSRC)], verbose=False)
-        global _LOADED
-        _LOADED = _LOADED or module
+        sampling.use_compiled_argmax(module.argmax)  # greedy decoding's (any ISA's build: the same indices)
         return module
     except Exception as e:  # no compiler or ninja, or a failed build
         print(f"speculant: could not build the CPU kernels ({str(e).splitlines()[0][:120]}); using PyTorch ops",
