@@ -29,6 +29,14 @@ turn in its chat template), for ``distill --groups M``: closer to short instruct
 chats. On the 2-core CPU: 1,607 prompts in 13.5 min (batch 128), their greedy answers (424k tokens)
 in 11.4 min (batch 96).
 
+``tasks`` writes task-shaped prompts built from ShareGPT's text (``texts.task_prompts``; the bench's
+prompts stay held out): T translate a sentence or two of a reply, Q short questions, M made-up
+arithmetic word problems, W short requests for code, K a reply's code block to explain, fix,
+comment or rename, R a reply's passage and a question about it, S a passage to summarize
+(``--sharegpt A:2048,C:1024`` adds random ShareGPT prompts of ``prompts``' groups), for
+``distill --groups T,Q,M,W,K,R,S``. On an H200 (batch 1024, 256 answer tokens) the target answered
+14,652 of them (3.7 M tokens) in 3.5 min (benchmarks/results/h200-2026-11-27-eagle-tasks/).
+
 Text files: a list of (token ids uint16 [T], answer start) pairs (``torch.save``), or parts
 packed by ``--copy-to``; prompt files a dict of named lists of prompt ids. ``--target``
 defaults to the embedded default target.
@@ -37,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import random
 import sys
 import time
 from pathlib import Path
@@ -62,6 +71,23 @@ def prompts(a) -> None:
     groups = texts.sharegpt_prompts(load_model(a.target, device=a.device, dtype="float32").tokenizer, a.skip)
     torch.save(groups, a.out)
     print({k: len(v) for k, v in groups.items()})
+
+
+def tasks(a) -> None:
+    tok = load_model(a.target, device=a.device, dtype="float32").tokenizer
+    groups = texts.task_prompts(tok, a.skip, _sizes(a.sizes) if a.sizes else None, a.max_tokens, a.seed)
+    if a.sharegpt:  # random ShareGPT prompts beside them (sharegpt_prompts' groups), not only tasks
+        more, rng = texts.sharegpt_prompts(tok, a.sharegpt_skip), random.Random(a.seed)
+        for name, n in _sizes(a.sharegpt).items():
+            fit = [x for x in more[name] if len(x) <= a.max_tokens]
+            groups[name] = rng.sample(fit, min(n, len(fit)))
+    torch.save(groups, a.out)
+    print({k: len(v) for k, v in groups.items()})
+
+
+def _sizes(text: str) -> dict[str, int]:
+    """"T:2048,Q:1024" -> {"T": 2048, "Q": 1024}"""
+    return {k: int(v) for k, v in (x.split(":") for x in text.split(","))}
 
 
 def self_instruct(a) -> None:
@@ -125,7 +151,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("join").add_argument("--out", required=True, help="the folder ``train`` wrote")
-    for name in ("prompts", "self-instruct", "from-cache", "distill", "train"):
+    for name in ("prompts", "tasks", "self-instruct", "from-cache", "distill", "train"):
         q = sub.add_parser(name)
         q.add_argument("--target", default="default")
         q.add_argument("--device", default="cuda")
@@ -134,6 +160,12 @@ def main() -> None:
         q.add_argument("--seed", type=int, default=0)
         q.add_argument("--dtype", default="bfloat16", help="the target's (self-instruct, distill, train)")
     sub.choices["prompts"].add_argument("--skip", type=int, default=0)
+    k = sub.choices["tasks"]
+    k.add_argument("--skip", type=int, default=0, help="ShareGPT conversations to pass over")
+    k.add_argument("--sizes", help="group:count,... (default: texts.TASK_SIZES)")
+    k.add_argument("--max-tokens", type=int, default=512, help="longest prompt (chat-templated)")
+    k.add_argument("--sharegpt", help="also random prompts of `prompts`' groups, e.g. A:2048,C:1024")
+    k.add_argument("--sharegpt-skip", type=int, default=7168, help="`prompts`' --skip for those")
     m = sub.choices["self-instruct"]
     m.add_argument("--count", type=int, default=2000, help="prompts to write (or what --minutes allows)")
     m.add_argument("--batch", type=int, default=128)
@@ -165,7 +197,7 @@ def main() -> None:
     t.add_argument("--work", help="a folder for checkpoints (one each evaluation; none without it)")
     t.add_argument("--resume", action="store_true", help="continue from the checkpoint in --work")
     a = p.parse_args()
-    stages = {"prompts": prompts, "self-instruct": self_instruct, "from-cache": from_cache, "distill": distill,
+    stages = {"prompts": prompts, "tasks": tasks, "self-instruct": self_instruct, "from-cache": from_cache, "distill": distill,
               "train": train, "join": lambda a: print(f"{a.out}/model.safetensors: {join(a.out)} tensors")}
     try:
         stages[a.cmd](a)

@@ -136,3 +136,43 @@ def test_minutes_cut_the_schedule_to_what_fits():
     # step 15 at 100 s, step 45 at 130 s (1 s a step), 40 s of 60 gone: 20 more steps
     assert schedule(1, 1000, 90.0, [100.0, 130.0, 130.0]) == 45 + 20
     assert schedule(10, 50, 0.0, [0.0, 3.0, 3.0]) == 50
+
+
+class _CharTokenizer:
+    """A chat tokenizer of one id per character (no model needed)."""
+    chat_template = "user: {content}"
+
+    def apply_chat_template(self, msgs, add_generation_prompt=True, tokenize=True):
+        return [ord(c) % 60000 for c in "user: " + msgs[-1]["content"] + "\nassistant: "]
+
+
+def test_task_prompts_build_task_shapes_from_sharegpt_text(monkeypatch):
+    from speculant.tools import texts
+    para = ("The river floods every spring after the snow melts. Farmers plant late so that the young crops are "
+            "not washed away. The soil the water leaves behind is rich, and the harvest in autumn is large.")
+    code = "def area(w, h):\n    total = w * h\n    return total"
+    reply = f"{para}\n\n{para.replace('river', 'lake')}\n\n```python\n{code}\n```\n\n- a list item."
+    convs = [[{"role": "user", "content": "Why does the river flood in spring?"},
+              {"role": "assistant", "content": reply}],
+             [{"role": "user", "content": "Write a Python function that adds two numbers."},
+              {"role": "assistant", "content": "Sure."}],
+             [{"role": "user", "content": "日本語で答えてください?"}, {"role": "assistant", "content": "はい。"}]]
+    monkeypatch.setattr(texts, "sharegpt_conversations", lambda: iter(convs))
+    tok = _CharTokenizer()
+    sizes = {"T": 3, "Q": 5, "M": 4, "W": 5, "K": 2, "R": 2, "S": 2}
+    groups = texts.task_prompts(tok, sizes=sizes, max_tokens=600)
+    decode = lambda ids: "".join(map(chr, ids.long().tolist()))
+    got = {k: [decode(x) for x in v] for k, v in groups.items()}
+    assert list(got) == list(sizes) and all(len(got[k]) <= sizes[k] for k in sizes)
+    assert all(len(x) <= 600 and x.dtype == torch.uint16 for v in groups.values() for x in v)
+    assert got["Q"] == ["user: Why does the river flood in spring?\nassistant: "]  # English questions only
+    assert got["W"] == ["user: Write a Python function that adds two numbers.\nassistant: "]
+    assert len(got["M"]) == 4 and all(any(c.isdigit() for c in p) for p in got["M"])
+    assert got["T"] and all(any(w in p for w in ("French", "German", "Spanish", "Italian", "Portuguese"))
+                            and any(s.rstrip(".") in p for s in para.split(". ")) for p in got["T"])
+    assert got["K"] and all(code in p for p in got["K"])
+    assert got["S"] and all("Farmers plant late" in p for p in got["S"] + got["R"])
+    assert not any("list item" in p for v in got.values() for p in v)  # lists are not prose
+    again = texts.task_prompts(tok, sizes=sizes, max_tokens=600)
+    assert {k: [x.tolist() for x in v] for k, v in again.items()} == {k: [x.tolist() for x in v] for k, v in groups.items()}
+    assert texts.task_prompts(tok, skip=3, sizes=sizes)["T"] == []

@@ -3,6 +3,9 @@ and the files that hold them.
 
 - ``sharegpt_prompts``: chat-templated ShareGPT prompts in groups (first turns, longer first turns,
   second user turns, the first turns a feature cache already answered);
+- ``task_prompts``: short task prompts built from ShareGPT's text (translate a sentence of a reply,
+  summarize or answer questions on a passage of one, explain or fix its code) and made-up arithmetic
+  word problems: the shapes of the bench's categories, none of the bench's text;
 - ``self_instruct``: prompts the target writes itself (Magpie, Xu et al. 2024);
 - ``distill``: the target answers prompts in left-padded batches (HF ``generate``: greedy, or
   sampled for chosen groups);
@@ -15,6 +18,8 @@ from __future__ import annotations
 
 import functools
 import json
+import random
+import re
 import time
 from pathlib import Path
 
@@ -95,6 +100,171 @@ def sharegpt_prompts(tokenizer, skip: int = 0) -> dict[str, list[torch.Tensor]]:
             second = templated(msgs[: users[1] + 1])
             if len(second) <= 896:
                 groups["C"].append(second)
+    return groups
+
+
+TASK_SIZES = {"T": 2048, "Q": 1024, "M": 1024, "W": 1024, "K": 2048, "R": 2048, "S": 2048}
+
+_LANGUAGES = ["French"] * 3 + ["German"] * 3 + ["Spanish"] * 3 + ["Italian", "Portuguese"]
+_TRANSLATE = ["Translate to {lang}: {text}", "Translate the following sentence into {lang}:\n\n{text}",
+              "Translate this into {lang}:\n{text}", "How would you say this in {lang}? \"{text}\""]
+_SUMMARIZE = ["{text}\n\nSummarize the text above in two sentences.", "Summarize the following text in one sentence:\n\n{text}",
+              "Summarize:\n\n{text}", "{text}\n\nWrite a short summary of this text.",
+              "{text}\n\nWhat are the main points of this text? Give three bullet points.",
+              "Give a brief summary of the passage below.\n\n{text}"]
+_PASSAGE = ["Passage: {text}\n\nQuestion: {q}", "Passage: {text}\n\nQuestion: {q}\nAnswer using only the passage.",
+            "Read the text and answer the question.\n\nText: {text}\n\nQuestion: {q}",
+            "Context:\n{text}\n\nUsing only the context above, answer: {q}"]
+_PASSAGE_QUESTIONS = ["What is the main idea of the passage?", "Which points does the passage make? List them briefly.",
+                      "According to the passage, what should be done first?", "What example does the passage give?",
+                      "Does the passage mention any risks or drawbacks? Answer briefly."]
+_CODE_TASKS = ["Explain what this code does.", "Find the bug in this code and fix it.", "Add comments to this code.",
+               "Rewrite this code so that it is easier to read.", "Write a short docstring for this code.",
+               "Suggest two improvements to this code.", "Rename the variables in this code to clearer names."]
+_CODE = ["{task}\n\n```{lang}\n{code}\n```", "Here is some {Lang} code:\n\n{code}\n\n{task}",
+         "```{lang}\n{code}\n```\n\n{task}", "Look at this code:\n\n{code}\n\n{task}"]
+_NAMES = ["Maya", "Omar", "Priya", "Jonas", "Chen", "Sofia", "Kwame", "Elena", "Tariq", "Hana", "Diego", "Ruth"]
+_MATH = [  # (problem, numbers drawn for a, b, c); made up here
+    ("{n} bakes {a} muffins in the morning and {b} in the afternoon. She sells {c} of them. How many muffins are left?",
+     (20, 60), (10, 40), (5, 30)),
+    ("A bus leaves with {a} passengers. At the first stop {b} get off and {c} get on. How many passengers are on the bus now?",
+     (20, 50), (3, 19), (2, 15)),
+    ("{n} reads {a} pages a day. How many pages does {n} read in {b} days, and how many are left of a {c}-page book?",
+     (8, 30), (3, 9), (300, 500)),
+    ("A shop sells pencils at {a} cents each. {n} buys {b} pencils and pays with a {c}-dollar bill. How much change does {n} get?",
+     (15, 60), (3, 12), (10, 20)),
+    ("A garden has {a} rows of tomato plants with {b} plants in each row. {c} plants die. How many plants are left?",
+     (4, 12), (6, 15), (2, 10)),
+    ("{n} saves {a} dollars a week. How many weeks does it take to save {b} dollars? Also, how much is saved after {c} weeks?",
+     (5, 25), (100, 300), (3, 8)),
+    ("A train travels at {a} km per hour for {b} hours and then at {c} km per hour for 2 hours. How far does it travel in total?",
+     (40, 90), (2, 5), (50, 100)),
+    ("{n} has {a} marbles and gives a third of them to a friend, then finds {b} more. How many marbles does {n} have now?",
+     (30, 90), (2, 12), (0, 0)),
+    ("A rectangle is {a} cm long and {b} cm wide. What are its area and its perimeter?", (5, 30), (3, 20), (0, 0)),
+    ("There are {a} students in a class. {b} percent of them walk to school and the rest take the bus. How many take the bus?",
+     (20, 40), (10, 60), (0, 0)),
+]
+_MATH_ASK = ["Think step by step, then give the final answer.", "Show your work step by step.",
+             "Explain your reasoning before giving the answer.", ""]
+
+
+def _english(text: str) -> bool:
+    return sum(c.isascii() for c in text) >= 0.98 * len(text)
+
+
+def _prose(paragraph: str) -> bool:
+    """A paragraph of plain English sentences: no code, no list, no heading, no table."""
+    p = paragraph.strip()
+    return (_english(p) and "```" not in p and "|" not in p and "\n" not in p and not re.match(r"([-*#>]|\d+[.)])", p)
+            and p.count(". ") >= 1 and p[-1:] in ".!?")
+
+
+def _passages(reply: str, lo: int = 300, hi: int = 1600) -> list[str]:
+    """Runs of consecutive prose paragraphs of a reply, each run lo..hi characters."""
+    out, run = [], []
+    for p in reply.split("\n\n") + [""]:
+        if p and _prose(p):
+            run.append(p.strip())
+            if len("\n\n".join(run)) >= lo:
+                text = "\n\n".join(run)
+                if len(text) <= hi:
+                    out.append(text)
+                run = []
+        else:
+            run = []
+    return out
+
+
+def _made_up_problem(rng: random.Random) -> str:
+    text, *spans = rng.choice(_MATH)
+    a, b, c = (rng.randint(*s) for s in spans)
+    if "a third" in text:
+        a -= a % 3
+    if "percent" in text:
+        b -= b % 10
+        a -= a % 10
+    ask = rng.choice(_MATH_ASK)
+    return text.format(n=rng.choice(_NAMES), a=a, b=b, c=c) + (" " + ask if ask else "")
+
+
+def task_prompts(tokenizer, skip: int = 0, sizes: dict[str, int] | None = None, max_tokens: int = 512,
+                 seed: int = 0) -> dict[str, list[torch.Tensor]]:
+    """Chat-templated task prompts (<= ``max_tokens``) built from ShareGPT's text (after its first
+    ``skip`` conversations), in groups of at most ``sizes`` (default ``TASK_SIZES``), each drawn at
+    random from all the candidates: T translate a sentence or two of a reply; Q short first-turn
+    questions; M made-up arithmetic word problems; W short first turns asking for code; K a code
+    block of a reply to explain, fix, comment, rename or document; R a passage of a reply and the
+    conversation's question (or a general one) about it; S a passage of a reply to summarize."""
+    sizes = dict(TASK_SIZES if sizes is None else sizes)
+    rng = random.Random(seed)
+    found = {k: [] for k in "TQWKRS"}
+    for n, conv in enumerate(sharegpt_conversations()):
+        if n < skip:
+            continue
+        user = conv[0]["content"].strip()
+        short_user = _english(user) and len(user) <= 300 and "\n" not in user
+        if short_user and 12 <= len(user) <= 160 and user.endswith("?"):
+            found["Q"].append(user)
+        if short_user and re.search(r"\b(write|create|implement)\b", user, re.I) and \
+                re.search(r"\b(function|code|script|program|class|query|regex)\b", user, re.I):
+            found["W"].append(user)
+        for m in conv[1:]:
+            if m["role"] != "assistant":
+                continue
+            reply = m["content"]
+            for lang, code in re.findall(r"```(\w*)\n(.*?)```", reply, re.S):
+                lines = code.rstrip().split("\n")
+                if 3 <= len(lines) <= 40 and len(code) <= 1500 and _english(code):
+                    found["K"].append((lang.lower(), code.rstrip()))
+            for text in _passages(reply):
+                found["S"].append(text)
+                found["R"].append((text, user if short_user and user.endswith("?") else None))
+            for p in reply.split("\n\n"):
+                if _prose(p):
+                    sents = re.split(r"(?<=[.!?])\s+", p.strip())
+                    i = rng.randrange(len(sents))
+                    for k in (2, 1):
+                        text = " ".join(sents[i : i + k])
+                        if 40 <= len(text) <= 240:
+                            found["T"].append(text)
+                            break
+
+    def make(name: str, item) -> str:
+        if name == "T":
+            return rng.choice(_TRANSLATE).format(lang=rng.choice(_LANGUAGES), text=item)
+        if name == "Q":
+            return item
+        if name == "W":
+            return item
+        if name == "K":
+            lang, code = item
+            names = {"py": "Python", "js": "JavaScript", "ts": "TypeScript", "cpp": "C++", "csharp": "C#", "": "this"}
+            Lang = names.get(lang, lang.capitalize() if lang.isalpha() else "this")
+            return rng.choice(_CODE).format(task=rng.choice(_CODE_TASKS), lang=lang, Lang=Lang, code=code)
+        if name == "R":
+            text, q = item
+            return rng.choice(_PASSAGE).format(text=text, q=q if q and rng.random() < 0.7 else rng.choice(_PASSAGE_QUESTIONS))
+        return rng.choice(_SUMMARIZE).format(text=item)
+
+    groups = {}
+    for name in sizes:
+        if name == "M":
+            pool = (_made_up_problem(rng) for _ in range(20 * sizes[name]))
+        else:
+            items = list(dict.fromkeys(found[name])) if name in "QWS" else found[name]
+            rng.shuffle(items)
+            pool = (make(name, x) for x in items)
+        groups[name], seen = [], set()
+        for text in pool:
+            if len(groups[name]) >= sizes[name]:
+                break
+            if text in seen:
+                continue
+            seen.add(text)
+            ids = encode_prompt(tokenizer, text, max_tokens)
+            if ids:
+                groups[name].append(torch.tensor(ids, dtype=torch.int32).to(torch.uint16))
     return groups
 
 
