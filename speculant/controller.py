@@ -297,6 +297,7 @@ class Plan:
     prop: Proposal
     caps: list[int]
     retry: bool = False
+    timing: bool = False  # the pass verifies a width to time it, not one chosen for what it yields
 
 
 class FixedGamma(PerRow):
@@ -482,8 +483,9 @@ class TreeGamma(AutoGamma):
     row_fields = AutoGamma.row_fields + ("calibration", "judged", "tree_tokens")
 
     def __init__(self, rows: int, gamma_max: int = 8, retry_every: int = 16, costs: CostModel | None = None,
-                 per_pass: bool = True):
+                 per_pass: bool = True, deepens: bool = False):
         super().__init__(rows, gamma_max, retry_every, costs, per_pass)
+        self.deepens = deepens  # the drafter's cost grows with the nodes asked for (Drafter.deepens_with_budget)
         self.calibration = [RowCalibration() for _ in range(rows)]
         self.judged = [False] * rows  # whether the prior has been weighed for the row
         self.tree_tokens: list[float | None] = [None] * rows  # tokens per tree pass, a running mean
@@ -496,15 +498,17 @@ class TreeGamma(AutoGamma):
         prop = propose(budget)
         if prop.parents is None:  # no tree this pass
             return Plan(prop, [budget] * len(prop.lengths))
+        timing = self._timing(prop.scores, budget)
         caps, retry = self.choose_tree(prop.scores, depths(prop.parents), prop.lengths, budget)
-        return Plan(prop, caps, retry)
+        return Plan(prop, caps, retry, timing)
 
     def learn(self, prop: Proposal, plan: Plan, accepted: list[int], draft_seconds: float,
               verify_seconds: float) -> None:
         """What the pass did (``prop`` as verified: capped), for the estimates and the costs."""
         lens, width = _width(prop)
         if prop.parents is not None:
-            self.observe_tree(width, lens, accepted, kept_scores(prop), draft_seconds, verify_seconds, plan.retry)
+            self.observe_tree(width, lens, accepted, kept_scores(prop), draft_seconds, verify_seconds, plan.retry,
+                              plan.timing)
         else:
             self.observe(max(plan.caps, default=0), width, lens, accepted, draft_seconds, verify_seconds,
                          self.per_pass, plan.retry)
@@ -537,9 +541,16 @@ class TreeGamma(AutoGamma):
             for row, on in enumerate(self.on):
                 if on:
                     self._switch_off(row)
-        if any(self.on):
+        if any(self.on) or any(self._retry_due()):
+            return self._asked(cap)
+        return 0
+
+    def _asked(self, cap: int) -> int:
+        """The nodes to ask for once the widths are timed: all of them, or where drafting deeper costs
+        more, two more than the trees verified lately (room to grow as the text gets easier)."""
+        if not self.deepens or self.tree_width is None:
             return cap
-        return cap if any(self._retry_due()) else 0
+        return min(cap, max(2, round(self.tree_width) + 1))
 
     def _switch_off(self, row: int) -> None:
         self.on[row], self.off_for[row] = False, 0
@@ -554,6 +565,11 @@ class TreeGamma(AutoGamma):
                      for t, on in zip(self.tree_tokens, self.on))
         tree = tokens / (self.cost_model.draft_pass(batch) + self.verify(round(batch * self.tree_width)))
         return tree >= self.TREE_MARGIN * batch / self.verify(batch)
+
+    def _timing(self, scores, budget: int) -> bool:
+        """Whether ``choose_tree`` will verify a width only to time it."""
+        cap = min(budget, scores.shape[1]) if scores is not None else 0
+        return self._unmeasured(cap, full=budget == self.gamma_max) is not None
 
     def choose_tree(self, scores, depths, lengths, budget: int) -> tuple[list[int], bool]:
         """Nodes to verify per row from a best-first tree proposal (scores [B, N], sorted by the
@@ -614,14 +630,18 @@ class TreeGamma(AutoGamma):
         return gains
 
     def observe_tree(self, width: int, lengths: list[int], accepted: list[int], predicted: list[list[float]],
-                     draft_seconds: float, verify_seconds: float, retry: bool = False) -> None:
+                     draft_seconds: float, verify_seconds: float, retry: bool = False, timing: bool = False) -> None:
         """What a tree pass did: block width, nodes verified, accepted depth, and per row the summed
-        scores of its verified nodes at each depth; ``retry``: drafted to re-try rows that were off."""
+        scores of its verified nodes at each depth; ``retry``: drafted to re-try rows that were off;
+        ``timing``: its width was chosen to time it (the widest first), so it says nothing of the
+        widths trees are verified at (a q8 pass of 9 rows costs 2.5 of one: counted, the first passes
+        switched an EAGLE head off before it verified a tree of its own choosing)."""
         self.gammas_used.append(width - 1)
         self._observe_retry(retry, len(lengths), draft_seconds, verify_seconds)
         self.cost_model.observe_pass(width - 1, len(lengths) * width, draft_seconds, verify_seconds, per_pass=True,
                                      batch=len(lengths))
-        self.tree_width = float(width) if self.tree_width is None else 0.8 * self.tree_width + 0.2 * width
+        if not timing:
+            self.tree_width = float(width) if self.tree_width is None else 0.8 * self.tree_width + 0.2 * width
         for row, (d, n, pred) in enumerate(zip(lengths, accepted, predicted)):
             if d > 0:
                 self.calibration[row].observe(pred, n)

@@ -247,7 +247,7 @@ class Engine:
         elif req.gamma != "auto":
             control = FixedGamma(req.gamma, self.costs, per_pass)
         elif drafter.makes_trees:
-            control = TreeGamma(n, most, costs=self.costs, per_pass=per_pass)
+            control = TreeGamma(n, most, costs=self.costs, per_pass=per_pass, deepens=drafter.deepens_with_budget)
         else:  # drafts that cost nothing are seen before each row's γ is chosen
             control = ChainGamma(n, most, costs=self.costs, per_pass=per_pass, sees_drafts=drafter.free_drafts)
         tokens, valid = left_pad(req.prompts, dev)

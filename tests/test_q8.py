@@ -288,11 +288,97 @@ def test_the_eagle_head_on_the_kernels_computes_its_own_forward(tmp_path):
 
 
 @needs_kernel
+@pytest.mark.parametrize("gamma", [1, 3, 20])  # 20: past the first level's 8 siblings
+def test_the_eagle_chain_in_one_call_proposes_the_trees_chain(tmp_path, monkeypatch, gamma):
+    """Beside a quantized target the EAGLE head's whole proposal is one kernel call (``eagle_chain``:
+    the catch-up, then a chain of head steps). Its proposals are those of the tree drafter with one
+    node expanded a depth (BEAM 1: the chain, each level's TOP_K siblings offered), pass after pass
+    of a batched generation: the same nodes under the same parents, the same probabilities but for
+    float rounding, and the same text (plain q8 decoding's)."""
+    from speculant.drafters import eagle as eagle_module
+
+    target = _q8_tiny()
+
+    def run(chains: bool):
+        drafter = _drafter_for("eagle", target, tmp_path)
+        assert drafter.chains
+        drafter.chains = chains
+        seen, propose = [], drafter.propose_among
+        drafter.propose_among = lambda g, rivals: seen.append(propose(g, rivals)) or seen[-1]
+        with monkeypatch.context() as m:
+            m.setattr(eagle_module, "BEAM", 1)
+            m.setattr(eagle_module, "MIN_SCORE", 0.0)  # a random head's chains are unlikely: deepen all the same
+            outs = speculant.generate(target, invariance_prompts(3), drafter=drafter, gamma=gamma, max_new_tokens=24)
+        return [o.token_ids for o in outs], seen
+
+    def nodes(p, row):  # each node's path of tokens from the root -> its probability
+        n = int(p.lengths[row])
+        paths = []
+        for i in range(n):
+            parent = int(p.parents[row, i])
+            paths.append((paths[parent] if parent >= 0 else ()) + (int(p.tokens[row, i]),))
+        return {path: float(p.scores[row, i]) for i, path in enumerate(paths)}
+
+    text, chained = run(True)
+    want_text, trees = run(False)
+    assert text == want_text == [t[:24] for t in _tiny_plain_q8()[:3]]
+    assert len(chained) == len(trees) and chained
+    for got, want in zip(chained, trees):
+        for row in range(got.tokens.shape[0]):
+            a, b = nodes(got, row), nodes(want, row)
+            assert a.keys() == b.keys()
+            assert all(abs(a[k] - b[k]) <= 1e-4 * max(1.0, b[k]) for k in a)
+
+
+@needs_kernel
+def test_the_eagle_chain_gives_a_row_the_same_bits_alone_beside_another_and_on_every_isa(tmp_path, monkeypatch):
+    """``eagle_chain`` (catch-up, chain steps, softmax and top-K a row at a time): a row's draft ids
+    and log-probabilities are the same bits alone and beside another row, on every x86 ISA branch
+    (forced builds; the layer kernels it calls are checked under qemu for NEON)."""
+    import platform
+
+    from speculant.drafters import eagle as eagle_module
+
+    monkeypatch.setattr(eagle_module, "MIN_SCORE", 0.0)  # every level, however unlikely the random head's chain
+    target, g = _q8_tiny(), torch.Generator().manual_seed(1)
+    B, W, S, levels = 2, 3, 40, 4
+    net0 = _drafter_for("eagle", target, tmp_path).net
+    attn = net0.layers[0].self_attn
+    feats = torch.randn(B, W, len(net0.taps), target.config.hidden_size, generator=g)
+    tokens = torch.randint(0, target.config.vocab_size, (B, W), generator=g)
+    keys, values = (torch.randn(B, attn.kv_heads, S, attn.head_dim, generator=g) for _ in range(2))
+    lengths = torch.tensor([7, 12])
+    positions = lengths[:, None] + torch.arange(W)[None]
+
+    def chain(rows):
+        drafter = _drafter_for("eagle", target, tmp_path)
+        assert drafter.chains
+        return drafter.kernel_layers.chain(feats[rows], tokens[rows], positions[rows], positions[rows],
+                                           torch.full((len(rows),), W - 1), lengths[rows] + W, levels,
+                                           [keys[rows].clone()], [values[rows].clone()], drafter.embed.weight, None)
+
+    builds = {}
+    for name in sorted(Q8_ISA) if platform.machine() in ("x86_64", "AMD64") else ["native"]:
+        module = quantized.build(Q8_ISA[name])
+        if module is None:
+            pytest.skip("no C++ compiler for the CPU kernels")
+        monkeypatch.setattr(quantized, "kernels", lambda: module)
+        both, first, second = chain([0, 1]), chain([0]), chain([1])
+        assert both[0].shape == (B, levels, eagle_module.TOP_K)
+        for row, alone in enumerate((first, second)):
+            assert torch.equal(both[0][row], alone[0][0]) and torch.equal(both[1][row], alone[1][0]), (name, row)
+        builds[name] = both
+    ids, lp = builds.pop("native")
+    for name, (other_ids, other_lp) in builds.items():
+        assert torch.equal(ids, other_ids) and torch.equal(lp, other_lp), name
+
+
+@needs_kernel
 @pytest.mark.parametrize("int8", [True, False])  # q8, and quantized (float32 activations)
 def test_every_layer_in_one_call_gives_the_bits_of_a_call_a_layer(q8_kernels, monkeypatch, int8):
     """A pass runs every bound layer in one kernel call (BoundLayers): the logits and caches of a
-    prefill, a verify block beside another row and a token tree are those of one call a layer, on
-    every x86 ISA branch (forced builds)."""
+    prefill, a verify block beside another row, a token tree and a pass with taps (the layers'
+    inputs an EAGLE head reads) are those of one call a layer, on every x86 ISA branch (forced builds)."""
     from speculant.models import fast as fast_module
 
     model = _q8_tiny(seed=6) if int8 else _quantized_tiny(6)
@@ -316,10 +402,12 @@ def test_every_layer_in_one_call_gives_the_bits_of_a_call_a_layer(q8_kernels, mo
             out.append(fast.forward(toks[:, 20:23], pos, pos, keys, values))
             at = torch.tensor([[23, 24, 25, 26]] * 2)
             out.append(fast.forward(toks[:, 23:27], torch.tensor([[23, 24, 24, 25]] * 2), at, keys, values, tree=tree))
+            pos = torch.tensor([[27, 28, 29]] * 2)  # with an EAGLE head's taps: layers' inputs, the normed output
+            out.extend(fast.forward(toks[:, 27:30], pos, pos, keys, values, taps=(0, 1, fast.n_layers)))
         return out, keys + values, len(calls)
 
     one, caches, calls = passes(True)
     per_layer, caches_per_layer, _ = passes(False)
-    assert calls == 3  # each pass ran its layers in one call
+    assert calls == 4  # each pass ran its layers in one call
     assert all(torch.equal(a, b) for a, b in zip(one, per_layer))
     assert all(torch.equal(a, b) for a, b in zip(caches, caches_per_layer))

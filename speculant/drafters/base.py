@@ -124,6 +124,9 @@ class Drafter(PerRow, ABC):
     hidden_layers: tuple = ()
     # one forward drafts a whole block (DFlash): its cost is per pass, whatever γ
     block_drafts: bool = False
+    # a tree drafter whose proposal costs more the more nodes it is asked for (an EAGLE chain on
+    # the CPU kernels: a head step a level): gamma="auto" asks it for about the nodes it verifies
+    deepens_with_budget: bool = False
     # the most draft tokens one proposal can hold (a block drafter: its block size - 1); None: any
     max_gamma: int | None = None
     # seconds of the last ``propose`` spent on one-off catch-up (a lazy prompt prefill): gamma="auto"

@@ -25,6 +25,7 @@ next catch-up: rolling back is moving a length.
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -34,7 +35,7 @@ from ..models.cpu_kernels import pack_linears
 from ..trained import eagle as trained
 from ..trained.eagle import EagleNet
 from ..trained.format import default_taps, load_network, read_config, tensor_names
-from .base import DraftContext, Drafter, Proposal
+from .base import DraftContext, Drafter, Proposal, seconds_since
 from .spec import TrainedKind, TrainOption
 
 TOP_K = 8  # children offered per expanded node
@@ -92,13 +93,47 @@ class KernelLayers:
         return ((qkv.args, qkv.weight.bits), (o.args, o.weight.bits), layer.post_attention_layernorm.weight,
                 (gate_up.args, gate_up.weight.bits), (down.args, down.weight.bits))
 
+    def chains(self, embed: torch.nn.Module) -> bool:
+        """Whether ``chain`` takes this head: one layer, fc and the LM head on the kernels, no norm
+        per tap, float32 embeddings."""
+        net, w = self.net, getattr(embed, "weight", None)
+        return (len(net.layers) == 1 and net.fc_norm is None
+                and all(isinstance(m.forward, quantized.QuantLinear) for m in (net.fc, net.lm_head))
+                and isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.dim() == 2)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [..., head_dim] at ``positions`` (float32, as PyTorch's rotary computes them)."""
+        freqs = positions[..., None].float() * self.net.inv_freq.float()
+        emb = torch.cat((freqs, freqs), -1)
+        return emb.cos().contiguous(), emb.sin().contiguous()
+
+    def chain(self, feats, tokens, positions, write_at, last, base, levels: int, keys, values, embed_weight,
+              outside) -> tuple[torch.Tensor, torch.Tensor]:
+        """A whole proposal in one kernel call (``eagle_chain``): the catch-up block (the target's
+        tapped states ``feats`` [B, W, taps, Ht] and the tokens after them [B, W] at ``positions``,
+        written at ``write_at``, each query seeing the slots up to its position; ``last`` [B] the row
+        that drafts), then up to ``levels`` levels of a chain at slots and positions ``base`` + j - 1.
+        Returns (draft ids, log-probabilities) [B, L, TOP_K]."""
+        net, k = self.net, self.k
+        layer = net.layers[0]
+        cos, sin = self.rope(positions)
+        step_cos, step_sin = self.rope(base[None] + torch.arange(levels - 1, device=base.device)[:, None])
+        (qkv, qb), (o, ob), ln2, (gu, gb), (down, db) = self._args(layer)
+        fc, head, no = net.fc.forward, net.lm_head.forward, torch.empty(0)
+        return k.eagle_chain(feats.float().flatten(2).contiguous(), tokens.contiguous(),
+                             no if net.input_norm is None else net.input_norm.weight.float(), fc.args, fc.weight.bits,
+                             cos, sin, write_at.contiguous(), (positions + 1).contiguous(), last, step_cos, step_sin,
+                             base, levels, TOP_K, MIN_SCORE, layer.input_layernorm.weight.float(),
+                             layer.hidden_norm.weight.float(), layer.input_layernorm.eps, layer.norm_before_residual,
+                             qkv, qb, self.heads, self.kv_heads, self.head_dim, keys[0], values[0], self.scale, o, ob,
+                             ln2.float(), gu, gb, down, db, net.norm.weight.float(), net.norm.eps, net.norm_output,
+                             head.args, head.weight.bits, net.d2t if net.draft_vocab else no.long(),
+                             no if outside is None else outside, embed_weight)
+
     def step(self, embeds, hidden, positions, write_at, visible, keys, values):
         """``EagleNet.step`` with the keys each query sees given as ``visible`` [B, T, S] (bool)."""
         net, k = self.net, self.k
-        positions = positions.expand(hidden.shape[:2])  # a tree's depth: one position for a row's nodes
-        freqs = positions[..., None].float() * net.inv_freq.float()
-        emb = torch.cat((freqs, freqs), -1)
-        cos, sin = emb.cos().contiguous(), emb.sin().contiguous()
+        cos, sin = self.rope(positions.expand(hidden.shape[:2]))  # a tree's depth: one position for a row's nodes
         count = visible.sum(-1)
         slots = torch.sort((~visible).to(torch.uint8), dim=-1, stable=True).indices  # the visible slots first, in order
         write_at = write_at.contiguous()
@@ -131,6 +166,9 @@ class EagleDrafter(Drafter):
         outside = draft_ids >= self.vocab  # draft rows the target cannot emit (a head trained on a wider vocabulary)
         self.outside = outside if bool(outside.any()) else None
         self.kernel_layers = KernelLayers.fit(net) if quantized.drafts_on_kernels(target) else None
+        # beside a quantized target a proposal is one kernel call: a chain and its levels' siblings
+        self.chains = self.kernel_layers is not None and self.kernel_layers.chains(self.embed)
+        self.deepens_with_budget = self.chains
 
     def describe(self) -> str:
         return f"eagle:{self.label}"
@@ -153,6 +191,7 @@ class EagleDrafter(Drafter):
         # for the token after them (the last prompt token's: the target's first token)
         self.unfed = [(h[:-1], list(p[1:])) for h, p in zip(ctx.prompt_hidden, ctx.prompts)]
         self.waiting = [h[-1:] for h in ctx.prompt_hidden]
+        self.first = True  # the first proposal feeds the prompts: a one-off (catchup_seconds)
 
     def observe_hidden(self, hidden: list[torch.Tensor]) -> None:
         self.waiting = [torch.cat([w, h]) for w, h in zip(self.waiting, hidden)]
@@ -193,31 +232,59 @@ class EagleDrafter(Drafter):
             return self.keys[layer][:, :, :width], self.values[layer][:, :, :width]
         return kv
 
+    def _unfed_pairs(self):
+        """Every row's unfed pairs as one right-padded block, marked fed: (counts [B], the target's
+        features [B, W, taps, Ht], the tokens after them [B, W], positions [B, W], cache slots [B, W]
+        (padding at the spare slot))."""
+        dev = self.ctx.device
+        counts = torch.tensor([len(t) for _, t in self.unfed], device=dev)
+        W = max(int(counts.max()), 1)
+        if len(self.unfed) == 1 and int(counts[0]) == W:  # one row: no padding to make
+            f, t = self.unfed[0]
+            feats, tokens = f.to(dev, self.net.dtype)[None], torch.tensor([t], device=dev)
+        else:
+            feats = torch.zeros(len(self.unfed), W, *self.unfed[0][0].shape[1:], dtype=self.net.dtype, device=dev)
+            tokens = torch.zeros(len(self.unfed), W, dtype=torch.long, device=dev)
+            for b, (f, t) in enumerate(self.unfed):
+                if t:
+                    feats[b, : len(t)] = f.to(dev, self.net.dtype)
+                    tokens[b, : len(t)] = torch.tensor(t, device=dev)
+        steps = torch.arange(W, device=dev)[None]
+        positions = self.lengths[:, None] + steps
+        slots = torch.where(steps < counts[:, None], positions, self.spare)
+        self.unfed = [(f[:0], []) for f, _ in self.unfed]
+        return counts, feats, tokens, positions, slots
+
     def _catch_up(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed every row's unfed pairs; returns each row's last output state [B, H] and the draft
         vocabulary log-probabilities after it [B, Vd]."""
-        net, dev = self.net, self.ctx.device
-        counts = torch.tensor([len(t) for _, t in self.unfed], device=dev)
-        W = max(int(counts.max()), 1)
-        B = len(self.unfed)
-        feats = torch.zeros(B, W, *self.unfed[0][0].shape[1:], dtype=net.dtype, device=dev)
-        tokens = torch.zeros(B, W, dtype=torch.long, device=dev)
-        for b, (f, t) in enumerate(self.unfed):
-            if t:
-                feats[b, : len(t)] = f.to(dev, net.dtype)
-                tokens[b, : len(t)] = torch.tensor(t, device=dev)
-        steps = torch.arange(W, device=dev)[None]
-        real = steps < counts[:, None]
-        positions = self.lengths[:, None] + steps
-        slots = torch.where(real, positions, self.spare)
-        width = int(self.lengths.max()) + W
-        mask = (torch.arange(width, device=dev)[None, None] <= positions[:, :, None])[:, None]
-        state, normed = self._step(self.embed(tokens), net.features(feats), positions, slots, width, mask)
+        counts, feats, tokens, positions, slots = self._unfed_pairs()
+        width = int(self.lengths.max()) + positions.shape[1]
+        mask = (torch.arange(width, device=positions.device)[None, None] <= positions[:, :, None])[:, None]
+        state, normed = self._step(self.embed(tokens), self.net.features(feats), positions, slots, width, mask)
         last = (counts - 1).clamp_min(0)
-        pick = torch.arange(B, device=dev)
+        pick = torch.arange(len(counts), device=positions.device)
         self.lengths = self.lengths + counts
-        self.unfed = [(f[:0], []) for f, _ in self.unfed]
         return state[pick, last], self._logprobs(normed[pick, last])
+
+    def _propose_chain(self, gamma: int) -> Proposal:
+        """The proposal beside a quantized target, in one kernel call (``KernelLayers.chain``): the
+        catch-up, then a chain of up to min(γ, DEPTH) levels, each the head's TOP_K most probable
+        tokens after the level before's best; the tree is the chain and its siblings, best first.
+        Every head step reads one row (a tree's read BEAM), the cost a verify block of a few
+        rows on a CPU can afford."""
+        counts, feats, tokens, positions, slots = self._unfed_pairs()
+        base = self.lengths + counts
+        ids, lp = self.kernel_layers.chain(feats, tokens, positions, slots, (counts - 1).clamp_min(0), base,
+                                           min(DEPTH, max(gamma, 1)), self.keys, self.values, self.embed.weight,
+                                           self.outside)
+        self.lengths = base
+        B, L, K = ids.shape
+        best = lp[:, :, 0].cumsum(1)  # the chain's log-probability to each level
+        score = (torch.cat([best.new_zeros(B, 1), best[:, :-1]], 1)[..., None] + lp).flatten(1)
+        level = torch.arange(L, device=ids.device)[:, None].expand(L, K).flatten()
+        parent = torch.where(level > 0, (level - 1) * K, -1)[None].expand(B, -1)  # the chain's node a level up
+        return self._best_first(ids.flatten(1), score, parent, (level + 1)[None].expand(B, -1), max(gamma, 1))
 
     def _logprobs(self, normed: torch.Tensor) -> torch.Tensor:
         logits = self.net.lm_head(normed).float()
@@ -230,6 +297,13 @@ class EagleDrafter(Drafter):
 
     @torch.no_grad()
     def propose_among(self, gamma: int, rivals: torch.Tensor) -> Proposal:
+        t0, first, self.first, self.catchup_seconds = time.perf_counter(), self.first, False, 0.0
+        prop = self._propose_chain(gamma) if self.chains else self._propose_tree(gamma, rivals)
+        if first:  # γ auto leaves the prompts' catch-up out of what drafting costs
+            self.catchup_seconds = seconds_since(t0, self.ctx.device)
+        return prop
+
+    def _propose_tree(self, gamma: int, rivals: torch.Tensor) -> Proposal:
         net, dev = self.net, self.ctx.device
         rivals = rivals.to(dev, torch.float32).log()  # log-probabilities, as the tree's scores
         root_state, logp = self._catch_up()

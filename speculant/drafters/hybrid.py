@@ -63,6 +63,7 @@ class HybridDrafter(Drafter):
         self.label = label or tree.describe()
         self.hidden_layers = tree.hidden_layers
         self.block_drafts = tree.block_drafts
+        self.deepens_with_budget = tree.deepens_with_budget
         self.max_gamma = tree.max_gamma
         self.joins = tree.joins
 

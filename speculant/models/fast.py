@@ -205,10 +205,11 @@ class BoundLayers:
         self.handle = k.bind_layers(norms, eps, linears, bits, n_heads, n_kv, head_dim)
         weakref.finalize(self, k.unbind_layers, self.handle)
 
-    def __call__(self, h, cos, sin, keys, values, write_at, layout: KeyLayout, scaling: float):
+    def __call__(self, h, cos, sin, keys, values, write_at, layout: KeyLayout, scaling: float, taps: tuple = ()):
+        """(the last layer's output, the inputs of the layers ``taps`` [B, T, len(taps), H])"""
         return quantized.kernels().run_layers(self.handle, h, cos, sin, keys, values, write_at,
                                               _NO_SLOTS if layout.order is None else layout.order, layout.count,
-                                              scaling)
+                                              scaling, list(taps))
 
 
 def _plain_weights(layer) -> dict:
@@ -461,8 +462,10 @@ class FastLlama:
         sin = (emb.sin() * self.rope_scale).to(h.dtype)[:, :, None]
         attend = None if layout is None else PassAttention(self.attention, layout, self.scaling)
         tapped = {}
-        if mm.all_layers is not None and layers is None and not taps and getattr(attend, "kernel", False):
-            h = mm.all_layers()(h, cos, sin, keys, values, idx[1], attend.layout, self.scaling)  # one call
+        if mm.all_layers is not None and layers is None and getattr(attend, "kernel", False):
+            inner = tuple(i for i in taps if i < self.n_layers)  # the last "tap" is the normed output, below
+            h, inputs = mm.all_layers()(h, cos, sin, keys, values, idx[1], attend.layout, self.scaling, inner)  # one call
+            tapped = dict(zip(inner, inputs.unbind(2)))
         else:
             for i in range(self.n_layers) if layers is None else layers:
                 if i in taps:
@@ -581,6 +584,8 @@ class StaticKVState(PerRow):
         B, w = tokens.shape
         if tree is not None:
             offsets, vis = tree
+            if bool((vis == torch.ones(w, w, dtype=torch.bool, device=vis.device).tril()).all()):
+                vis = None  # every row's tree a chain: the causal block's attention, the same bits (~10 us a layer less)
             write_at = self.ptr[:, None] + torch.arange(w, device=tokens.device)[None]
             if int(write_at.max()) >= self.size:
                 raise RuntimeError("static KV cache is full")  # sized by the engine; a bug if reached
@@ -645,8 +650,8 @@ class StaticKVState(PerRow):
         """After a tree pass written from slot ``start``: move the accepted nodes' K/V (block slots
         1 + path[:n]) next to the root, so the row's cache holds exactly root + accepted path."""
         width = int(n.max()) if n.numel() else 0
-        if width:
-            steps = torch.arange(width, device=path.device)[None]
+        steps = torch.arange(width, device=path.device)[None]
+        if width and not bool(((path[:, :width] == steps) | (steps >= n[:, None])).all()):  # else: in place already
             dst = start[:, None] + 1 + steps
             src = torch.where(steps < n[:, None], start[:, None] + 1 + path[:, :width], dst)
             rows = torch.arange(len(start), device=path.device)[:, None].expand(-1, width)

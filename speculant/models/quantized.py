@@ -79,17 +79,24 @@ class QuantWeight:
                            torch.cat([p.min for p in parts]), parts[0].bits, parts[0].source)
 
     @staticmethod
-    def quantize(weight: torch.Tensor, bits: int) -> "QuantWeight":
-        """Round a dense weight to this layout (affine 4-bit or symmetric 8-bit per block): for the
-        checks and tests, which need a kernel over weights of their own."""
+    def quantize(weight: torch.Tensor, bits: int, halves: bool = False) -> "QuantWeight":
+        """Round a dense weight to this layout (affine 4-bit or symmetric 8-bit per block): for
+        drafters beside a quantized target, and the checks and tests, which need a kernel over
+        weights of their own. ``halves``: scales and mins rounded to float16 first (as GGUF's are:
+        the int8 kernels then stream 2 bytes of each instead of 4)."""
         n, k = weight.shape
         w = weight.detach().float().view(n, k // BLOCK, BLOCK)
+
+        def rounded(x):
+            return torch.where(x.half().float() > 0, x.half().float(), 2.0 ** -24) if halves else x
+
         if bits == 8:
-            scale = (w.abs().amax(-1) / 127).clamp_min(1e-8)
+            scale = rounded((w.abs().amax(-1) / 127).clamp_min(1e-8))
             codes = (w / scale[..., None]).round().clamp(-127, 127).to(torch.int8).view(torch.uint8)
             return QuantWeight(codes.view(n, k), scale, torch.zeros_like(scale), 8, "Q8")
         lo, hi = w.amin(-1), w.amax(-1)
-        scale = ((hi - lo) / 15).clamp_min(1e-8)
+        lo = lo.half().float() if halves else lo
+        scale = rounded(((hi - lo) / 15).clamp_min(1e-8))
         q = ((w - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
         return QuantWeight(_pack_nibbles(q), scale, lo, 4, "Q4")
 
@@ -145,6 +152,9 @@ def drafts_on_kernels(target: torch.nn.Module) -> bool:
     return bool(weights_of(target)) and kernels() is not None
 
 
+DRAFT_BITS = 8  # a drafter's weights on the kernels (``kernel_linears``)
+
+
 def kernel_linears(module: torch.nn.Module) -> torch.nn.Module:
     """Give every ``nn.Linear`` of a small float32 CPU network (a drafter's) a forward through the
     int8 kernels over its weights rounded to 8 bits per block of 32 (``QuantWeight.quantize``): a
@@ -160,7 +170,7 @@ def kernel_linears(module: torch.nn.Module) -> torch.nn.Module:
         bias = None if all(b is None for b in biases) else torch.cat(
             [b.detach().float() if b is not None else torch.zeros(p.out_features) for p, b in zip(parts, biases)])
         weight = torch.cat([p.weight.detach().float() for p in parts])
-        return QuantLinear(QuantWeight.quantize(weight, 8), bias, int8=True)
+        return QuantLinear(QuantWeight.quantize(weight, DRAFT_BITS, halves=True), bias, int8=True)
 
     stacked = set()
     for m in module.modules():

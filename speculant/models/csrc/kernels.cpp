@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "core/eagle.h"
 #include "core/layer.h"
 
 namespace {
@@ -264,10 +265,13 @@ void unbind_layers(int64_t handle) {
 }
 
 // Every bound layer in turn, each as ``layer`` computes it (the same bits). h: [B, T, H]; cos, sin:
-// [B, T, D]; k_caches, v_caches: one [B, n_kv, S, D] a layer; write_at, count: [B, T].
-at::Tensor run_layers(int64_t handle, const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
-                      std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches, const at::Tensor& write_at,
-                      const at::Tensor& slots, const at::Tensor& count, double scale) {
+// [B, T, D]; k_caches, v_caches: one [B, n_kv, S, D] a layer; write_at, count: [B, T]; taps: layers
+// whose input comes back too (an EAGLE head's features). Returns (the last layer's output [B, T, H],
+// the tapped inputs [B, T, len(taps), H]).
+std::vector<at::Tensor> run_layers(int64_t handle, const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
+                                   std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
+                                   const at::Tensor& write_at, const at::Tensor& slots, const at::Tensor& count,
+                                   double scale, const std::vector<int64_t>& taps) {
   const BoundLayers* b;
   {
     std::lock_guard<std::mutex> lock(bound_mutex);
@@ -283,9 +287,16 @@ at::Tensor run_layers(int64_t handle, const at::Tensor& h, const at::Tensor& cos
   TORCH_CHECK(cos.numel() == B * T * D && sin.numel() == B * T * D, "run_layers: cos, sin [B, T, D]");
   Attention a = block_attention(B, T, b->n_kv, D, k_caches[0], v_caches[0], write_at, slots, count, scale);
   at::Tensor x = torch::empty({B, T, H}, h.options()), y = torch::empty({B, T, H}, h.options());
+  const int64_t n_taps = static_cast<int64_t>(taps.size());
+  for (int64_t t : taps) TORCH_CHECK(t >= 0 && t < static_cast<int64_t>(L), "run_layers: a tap outside the layers");
+  at::Tensor tapped = torch::empty({B, T, n_taps, H}, h.options());
   const float* src = h.data_ptr<float>();
   out_of_range_as_error([&] {
     for (size_t l = 0; l < L; ++l) {
+      for (int64_t j = 0; j < n_taps; ++j)
+        if (taps[j] == static_cast<int64_t>(l))
+          for (int64_t r = 0; r < B * T; ++r)
+            std::memcpy(tapped.data_ptr<float>() + (r * n_taps + j) * H, src + r * H, H * sizeof(float));
       a.at.caches = layer_caches(B, b->n_kv, D, k_caches[l], v_caches[l]);
       spk::layer(src, B, T, H, b->layers[l], cos.data_ptr<float>(), sin.data_ptr<float>(), b->n_heads, b->n_kv, D,
                  a.at, x.data_ptr<float>(), PARALLEL);
@@ -293,7 +304,7 @@ at::Tensor run_layers(int64_t handle, const at::Tensor& h, const at::Tensor& cos
       std::swap(x, y);
     }
   });
-  return y;  // the last layer's output (swapped into y)
+  return {y, tapped};  // the last layer's output (swapped into y)
 }
 
 // EAGLE-3's first layer in one call (core/layer.h): q/k/v over [ln1(embeds), hidden_norm(hidden)].
@@ -323,6 +334,83 @@ at::Tensor eagle_layer(const at::Tensor& embeds, const at::Tensor& hidden, const
                      out.data_ptr<float>(), PARALLEL);
   });
   return out;
+}
+
+// A one-layer EAGLE-3 head's whole proposal in one call (core/eagle.h): the catch-up block
+// (feats [B, W, F]: the target's tapped states, normed by input_norm [F] (or empty: none) and
+// projected by fc (packed, bias); tokens [B, W] int64: the token after each; cos, sin [B, W, D];
+// write_at, count [B, W]; last [B]: the row that drafts), then up to ``levels`` levels of a chain, level j > 0 at slot and position base + j - 1
+// (step_cos, step_sin [levels - 1, B, D]). The head's layer as ``eagle_layer`` takes it; norm, its
+// LM head (packed, bias) over the draft vocabulary; d2t [Vd] int64 (or empty: one vocabulary);
+// outside [Vd] bool (or empty); embed: the target's input embeddings [vocab, H]. Returns (draft ids
+// int64 [B, L, K], log-probabilities float32 [B, L, K]) for the L levels computed: the chain stops
+// once every row's is less likely than min_score.
+std::vector<at::Tensor> eagle_chain(
+    const at::Tensor& feats, const at::Tensor& tokens, const at::Tensor& input_norm, const std::vector<at::Tensor>& fc,
+    int64_t fc_bits, const at::Tensor& cos, const at::Tensor& sin,
+    const at::Tensor& write_at, const at::Tensor& count, const at::Tensor& last, const at::Tensor& step_cos,
+    const at::Tensor& step_sin, const at::Tensor& base, int64_t levels, int64_t K, double min_score,
+    const at::Tensor& ln1, const at::Tensor& hidden_norm, double eps, bool norm_before_residual,
+    const std::vector<at::Tensor>& qkv, int64_t qkv_bits, int64_t n_heads, int64_t n_kv, int64_t D, at::Tensor k_cache,
+    at::Tensor v_cache, double scale, const std::vector<at::Tensor>& o, int64_t o_bits, const at::Tensor& ln2,
+    const std::vector<at::Tensor>& gate_up, int64_t gu_bits, const std::vector<at::Tensor>& down, int64_t down_bits,
+    const at::Tensor& norm_w, double norm_eps, bool norm_output, const std::vector<at::Tensor>& lm_head,
+    int64_t lm_bits, const at::Tensor& d2t, const at::Tensor& outside, const at::Tensor& embed) {
+  TORCH_CHECK(feats.dim() == 3 && tokens.dim() == 2 && tokens.size(0) == feats.size(0) &&
+                  tokens.size(1) == feats.size(1) && tokens.scalar_type() == at::kLong && tokens.is_contiguous(),
+              "eagle_chain: feats [B, W, F] and tokens int64 [B, W]");
+  const int64_t B = feats.size(0), W = feats.size(1), F = feats.size(2), H = norm_w.numel();
+  TORCH_CHECK(H % spk::LANES == 0 && F % spk::LANES == 0 && levels >= 1 && K >= 1,
+              "eagle_chain: hidden and feature widths multiples of 16, levels and K >= 1");
+  rows_of_float(feats, F), rows_of_float(hidden_norm, H), rows_of_float(norm_w, H);
+  if (input_norm.numel()) rows_of_float(input_norm, F);
+  const spk::Linear fcl = linear_of(fc, fc_bits, F);
+  TORCH_CHECK(fcl.N() == H, "eagle_chain: fc [H, F]");
+  rows_of_float(cos, D), rows_of_float(sin, D), rows_of_float(embed, H);
+  TORCH_CHECK(cos.numel() == B * W * D && sin.numel() == B * W * D, "eagle_chain: cos, sin [B, W, D]");
+  TORCH_CHECK(step_cos.numel() == (levels - 1) * B * D && step_sin.numel() == step_cos.numel() &&
+                  (levels == 1 || (step_cos.is_contiguous() && step_sin.is_contiguous() &&
+                                   step_cos.scalar_type() == at::kFloat && step_sin.scalar_type() == at::kFloat)),
+              "eagle_chain: step_cos, step_sin float32 [levels - 1, B, D]");
+  const spk::LayerWeights w = layer_weights(ln1, ln2, eps, 2 * H, qkv, qkv_bits, H, n_heads * D, o, o_bits, gate_up,
+                                            gu_bits, down, down_bits);
+  TORCH_CHECK(w.qkv.N() == (n_heads + 2 * n_kv) * D, "eagle_chain: q/k/v heads");
+  const spk::Linear head = linear_of(lm_head, lm_bits, H);
+  const int64_t V = head.N();
+  TORCH_CHECK(K <= V, "eagle_chain: K at most the draft vocabulary");
+  auto lt = last.to(at::kLong).contiguous(), bs = base.to(at::kLong).contiguous();
+  TORCH_CHECK(lt.numel() == B && bs.numel() == B, "eagle_chain: last and base [B]");
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(lt.data_ptr<int64_t>()[b] >= 0 && lt.data_ptr<int64_t>()[b] < W, "eagle_chain: last outside the block");
+  at::Tensor d2 = d2t.numel() ? d2t.to(at::kLong).contiguous() : d2t;
+  at::Tensor out_ids = outside.numel() ? outside.to(at::kByte).contiguous() : outside;
+  TORCH_CHECK(!d2.numel() || d2.numel() == V, "eagle_chain: d2t [Vd]");
+  TORCH_CHECK(!out_ids.numel() || out_ids.numel() == V, "eagle_chain: outside [Vd]");
+  const Attention a = block_attention(B, W, n_kv, D, k_cache, v_cache, write_at, at::empty({0}, write_at.options()), count, scale);
+  const spk::EagleHead e{w, hidden_norm.data_ptr<float>(), norm_before_residual, n_heads, n_kv, D,
+                         static_cast<float>(scale), norm_w.data_ptr<float>(), static_cast<float>(norm_eps), norm_output,
+                         head, d2.numel() ? d2.data_ptr<int64_t>() : nullptr,
+                         out_ids.numel() ? out_ids.data_ptr<uint8_t>() : nullptr, embed.data_ptr<float>(), embed.size(0)};
+  const spk::ChainCatchUp c{feats.data_ptr<float>(),
+                            tokens.data_ptr<int64_t>(),
+                            F,
+                            input_norm.numel() ? input_norm.data_ptr<float>() : nullptr,
+                            fcl,
+                            cos.data_ptr<float>(),
+                            sin.data_ptr<float>(),
+                            a.at.write_at,
+                            a.at.count,
+                            lt.data_ptr<int64_t>()};
+  const spk::ChainSteps s{levels > 1 ? step_cos.data_ptr<float>() : nullptr,
+                          levels > 1 ? step_sin.data_ptr<float>() : nullptr, bs.data_ptr<int64_t>(), levels, K,
+                          static_cast<float>(min_score)};
+  auto ids = torch::zeros({B, levels, K}, feats.options().dtype(at::kLong));
+  auto lp = torch::empty({B, levels, K}, feats.options());
+  int64_t done = 0;
+  out_of_range_as_error([&] {
+    done = spk::eagle_chain(e, a.at.caches, B, W, H, c, s, ids.data_ptr<int64_t>(), lp.data_ptr<float>(), PARALLEL);
+  });
+  return {ids.narrow(1, 0, done), lp.narrow(1, 0, done)};
 }
 
 // The final norm: [M, H] -> [M, H].
