@@ -152,13 +152,16 @@ def drafts_on_kernels(target: torch.nn.Module) -> bool:
     return bool(weights_of(target)) and kernels() is not None
 
 
-DRAFT_BITS = 8  # a drafter's weights on the kernels (``kernel_linears``)
+# a drafter's weights on the kernels (``kernel_linears``); 4 drafted an EAGLE step ~10 % faster
+# beside q8 at a slightly lower τ (benchmarks/results/cpu-AVX512BF16-2026-11-27-eagle-chain/)
+DRAFT_BITS = 8
 
 
 def kernel_linears(module: torch.nn.Module) -> torch.nn.Module:
     """Give every ``nn.Linear`` of a small float32 CPU network (a drafter's) a forward through the
-    int8 kernels over its weights rounded to 8 bits per block of 32 (``QuantWeight.quantize``): a
-    draft network then streams a quarter of its float32 bytes and multiplies in integers, as the
+    int8 kernels over its weights rounded to ``DRAFT_BITS`` bits per block of 32, float16 scales
+    (``QuantWeight.quantize``): a draft network then streams about a quarter of its float32 bytes
+    and multiplies in integers, as the
     target does. Its drafts change a little (they are only proposals: the output does not). q/k/v and
     gate/up of a module that declares a slot for them (trained.blocks) become one matmul each.
     Linears whose input width is not a multiple of 32 keep ``F.linear``. The weights stay as they

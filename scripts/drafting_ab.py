@@ -1,0 +1,86 @@
+"""Drafters side by side in one process, calls interleaved (order reversed every other repeat): tok/s
+per bench category against the first method, τ, and drafting / the rest of a pass in ms.
+
+    python scripts/drafting_ab.py --dtype q8 --methods "none;eagle@2;eagle@2:tree;ngram@auto" \
+        [--per-category 1] [--repeats 2] [--tokens 64] [--out ab.json]
+
+A method is DRAFTER[@GAMMA][:tree]; ``:tree`` drafts an EAGLE head's tree in PyTorch calls where it
+would otherwise draft its chain in one kernel call (beside a GGUF target on the CPU kernels).
+Made benchmarks/results/cpu-AVX512BF16-2026-11-27-eagle-chain/."""
+import argparse
+import collections
+import json
+import time
+
+import speculant
+from speculant.bench.machine import machine_info
+from speculant.bench.prompts import read_prompts
+
+
+def eagle_in(drafter):
+    """The EAGLE drafter inside ``drafter`` (itself, or the tree half of ``X+ngram``)."""
+    return drafter if hasattr(drafter, "chains") else getattr(drafter, "tree", None)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtype", default="q8")
+    p.add_argument("--methods", required=True, help='"none;eagle@2;eagle@2:tree;ngram@auto"')
+    p.add_argument("--per-category", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--out")
+    a = p.parse_args()
+    by_category = collections.defaultdict(list)
+    for prompt in read_prompts():
+        by_category[prompt.category].append(prompt.prompt)
+    methods = {}
+    for m in a.methods.split(";"):
+        spec, tree = (m[:-5], True) if m.endswith(":tree") else (m, False)
+        drafter, _, gamma = spec.partition("@")
+        gen = speculant.load("default", drafter=drafter, dtype=a.dtype)
+        if tree:
+            eagle_in(gen.drafter).chains = eagle_in(gen.drafter).deepens_with_budget = False
+        methods[m] = (gen, {"gamma": gamma if gamma in ("", "auto") else int(gamma)} if gamma else {})
+    for gen, kw in methods.values():  # warm: kernels, caches, the engine's first costs
+        gen.generate(by_category["rag"][0], max_new_tokens=16, temperature=0.0, **kw)
+    res = collections.defaultdict(lambda: {"tokens": 0, "seconds": 0.0, "passes": 0, "drafting": 0.0})
+    for rep in range(a.repeats):
+        for category, prompts in by_category.items():
+            for prompt in prompts[: a.per_category]:
+                order = list(methods.items())
+                for m, (gen, kw) in order if rep % 2 == 0 else order[::-1]:
+                    t = time.perf_counter()
+                    s = gen.generate(prompt, max_new_tokens=a.tokens, temperature=0.0, **kw).stats
+                    r = res[(m, category)]
+                    r["seconds"] += time.perf_counter() - t
+                    r["tokens"] += s["new_tokens"]
+                    r["passes"] += s["target_forward_passes"]
+                    r["drafting"] += s.get("drafter_seconds", 0.0)
+    base, categories = next(iter(methods)), list(by_category)
+
+    def total(m, cats):
+        return {k: sum(res[(m, c)][k] for c in cats) for k in ("tokens", "seconds", "passes", "drafting")}
+
+    summary = {}
+    print("method".ljust(20) + "".join(c[:9].rjust(10) for c in categories) + "       all   tok/s    tau  draft ms  rest ms")
+    for m in methods:
+        t, b = total(m, categories), total(base, categories)
+        per = {c: (res[(m, c)]["tokens"] / res[(m, c)]["seconds"]) / (res[(base, c)]["tokens"] / res[(base, c)]["seconds"])
+               for c in categories}
+        summary[m] = {"vs_first_by_category": per, "vs_first": t["tokens"] / t["seconds"] / (b["tokens"] / b["seconds"]),
+                      "tokens_per_second": t["tokens"] / t["seconds"], "tau": t["tokens"] / t["passes"],
+                      "drafting_ms_per_pass": t["drafting"] / t["passes"] * 1e3,
+                      "rest_ms_per_pass": (t["seconds"] - t["drafting"]) / t["passes"] * 1e3}
+        s = summary[m]
+        print(m.ljust(20) + "".join(f"{per[c]:10.3f}" for c in categories) +
+              f"{s['vs_first']:10.3f}{s['tokens_per_second']:8.1f}{s['tau']:7.2f}{s['drafting_ms_per_pass']:10.2f}"
+              f"{s['rest_ms_per_pass']:9.2f}")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"args": vars(a), "machine": machine_info(), "summary": summary,
+                       "by_method_and_category": {f"{m}|{c}": v for (m, c), v in res.items()}}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
