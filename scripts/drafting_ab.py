@@ -40,7 +40,7 @@ def main() -> None:
         drafter, _, gamma = spec.partition("@")
         gen = speculant.load("default", drafter=drafter, dtype=a.dtype)
         if tree:
-            eagle_in(gen.drafter).chains = eagle_in(gen.drafter).deepens_with_budget = False
+            eagle_in(gen.drafter).chains = False
         methods[m] = (gen, {"gamma": gamma if gamma in ("", "auto") else int(gamma)} if gamma else {})
     for gen, kw in methods.values():  # warm: kernels, caches, the engine's first costs
         gen.generate(by_category["rag"][0], max_new_tokens=16, temperature=0.0, **kw)

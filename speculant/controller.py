@@ -500,7 +500,7 @@ class TreeGamma(AutoGamma):
         prop = propose(budget)
         if prop.parents is None:  # no tree this pass
             return Plan(prop, [budget] * len(prop.lengths))
-        timing = self._timing(prop.scores, budget)
+        timing = self._timing_width(prop.scores, budget) is not None
         caps, retry = self.choose_tree(prop.scores, depths(prop.parents), prop.lengths, budget)
         return Plan(prop, caps, retry, timing)
 
@@ -572,10 +572,10 @@ class TreeGamma(AutoGamma):
         tree = tokens / (self.cost_model.draft_pass(batch) + self.verify(round(batch * self.tree_width)))
         return tree >= (self.DEEPENING_MARGIN if self.deepens else self.TREE_MARGIN) * batch / self.verify(batch)
 
-    def _timing(self, scores, budget: int) -> bool:
-        """Whether ``choose_tree`` will verify a width only to time it."""
+    def _timing_width(self, scores, budget: int) -> int | None:
+        """The width ``choose_tree`` verifies only to time it, or None."""
         cap = min(budget, scores.shape[1]) if scores is not None else 0
-        return self._unmeasured(cap, full=budget == self.gamma_max) is not None
+        return self._unmeasured(cap, full=budget == self.gamma_max)
 
     def choose_tree(self, scores, depths, lengths, budget: int) -> tuple[list[int], bool]:
         """Nodes to verify per row from a best-first tree proposal (scores [B, N], sorted by the
@@ -591,7 +591,7 @@ class TreeGamma(AutoGamma):
         cap = min(budget, scores.shape[1]) if scores is not None else 0
         if budget == self.gamma_max:
             self.widest_tree = max(self.widest_tree or 0, cap)
-        explore = self._unmeasured(cap, full=budget == self.gamma_max)
+        explore = self._timing_width(scores, budget)
         if explore is not None:
             return [explore] * batch, False
         if scores is None or cap == 0:

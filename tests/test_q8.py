@@ -342,17 +342,15 @@ def test_the_eagle_chain_gives_a_row_the_same_bits_alone_beside_another_and_on_e
     monkeypatch.setattr(eagle_module, "MIN_SCORE", 0.0)  # every level, however unlikely the random head's chain
     target, g = _q8_tiny(), torch.Generator().manual_seed(1)
     B, W, S, levels = 2, 3, 40, 4
-    net0 = _drafter_for("eagle", target, tmp_path).net
-    attn = net0.layers[0].self_attn
-    feats = torch.randn(B, W, len(net0.taps), target.config.hidden_size, generator=g)
+    net = _drafter_for("eagle", target, tmp_path).net
+    attn = net.layers[0].self_attn
+    feats = torch.randn(B, W, len(net.taps), target.config.hidden_size, generator=g)
     tokens = torch.randint(0, target.config.vocab_size, (B, W), generator=g)
     keys, values = (torch.randn(B, attn.kv_heads, S, attn.head_dim, generator=g) for _ in range(2))
     lengths = torch.tensor([7, 12])
     positions = lengths[:, None] + torch.arange(W)[None]
 
-    def chain(rows):
-        drafter = _drafter_for("eagle", target, tmp_path)
-        assert drafter.chains
+    def chain(drafter, rows):
         return drafter.kernel_layers.chain(feats[rows], tokens[rows], positions[rows], positions[rows],
                                            torch.full((len(rows),), W - 1), lengths[rows] + W, levels,
                                            [keys[rows].clone()], [values[rows].clone()], drafter.embed.weight, None)
@@ -363,7 +361,9 @@ def test_the_eagle_chain_gives_a_row_the_same_bits_alone_beside_another_and_on_e
         if module is None:
             pytest.skip("no C++ compiler for the CPU kernels")
         monkeypatch.setattr(quantized, "kernels", lambda: module)
-        both, first, second = chain([0, 1]), chain([0]), chain([1])
+        drafter = _drafter_for("eagle", target, tmp_path)  # its linears and layers on this build's kernels
+        assert drafter.chains
+        both, first, second = chain(drafter, [0, 1]), chain(drafter, [0]), chain(drafter, [1])
         assert both[0].shape == (B, levels, eagle_module.TOP_K)
         for row, alone in enumerate((first, second)):
             assert torch.equal(both[0][row], alone[0][0]) and torch.equal(both[1][row], alone[1][0]), (name, row)

@@ -168,7 +168,10 @@ class EagleDrafter(Drafter):
         self.kernel_layers = KernelLayers.fit(net) if quantized.drafts_on_kernels(target) else None
         # beside a quantized target a proposal is one kernel call: a chain and its levels' siblings
         self.chains = self.kernel_layers is not None and self.kernel_layers.chains(self.embed)
-        self.deepens_with_budget = self.chains
+
+    @property
+    def deepens_with_budget(self) -> bool:  # a chain costs a head step a level
+        return self.chains
 
     def describe(self) -> str:
         return f"eagle:{self.label}"
@@ -239,16 +242,12 @@ class EagleDrafter(Drafter):
         dev = self.ctx.device
         counts = torch.tensor([len(t) for _, t in self.unfed], device=dev)
         W = max(int(counts.max()), 1)
-        if len(self.unfed) == 1 and int(counts[0]) == W:  # one row: no padding to make
-            f, t = self.unfed[0]
-            feats, tokens = f.to(dev, self.net.dtype)[None], torch.tensor([t], device=dev)
-        else:
-            feats = torch.zeros(len(self.unfed), W, *self.unfed[0][0].shape[1:], dtype=self.net.dtype, device=dev)
-            tokens = torch.zeros(len(self.unfed), W, dtype=torch.long, device=dev)
-            for b, (f, t) in enumerate(self.unfed):
-                if t:
-                    feats[b, : len(t)] = f.to(dev, self.net.dtype)
-                    tokens[b, : len(t)] = torch.tensor(t, device=dev)
+        feats = torch.zeros(len(self.unfed), W, *self.unfed[0][0].shape[1:], dtype=self.net.dtype, device=dev)
+        tokens = torch.zeros(len(self.unfed), W, dtype=torch.long, device=dev)
+        for b, (f, t) in enumerate(self.unfed):
+            if t:
+                feats[b, : len(t)] = f.to(dev, self.net.dtype)
+                tokens[b, : len(t)] = torch.tensor(t, device=dev)
         steps = torch.arange(W, device=dev)[None]
         positions = self.lengths[:, None] + steps
         slots = torch.where(steps < counts[:, None], positions, self.spare)

@@ -63,9 +63,12 @@ class HybridDrafter(Drafter):
         self.label = label or tree.describe()
         self.hidden_layers = tree.hidden_layers
         self.block_drafts = tree.block_drafts
-        self.deepens_with_budget = tree.deepens_with_budget
         self.max_gamma = tree.max_gamma
         self.joins = tree.joins
+
+    @property
+    def deepens_with_budget(self) -> bool:  # the tree's, as it is now (an EAGLE head may draft its tree in PyTorch)
+        return self.tree.deepens_with_budget
 
     def describe(self) -> str:
         return f"{self.label}+ngram"

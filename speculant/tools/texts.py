@@ -233,9 +233,7 @@ def task_prompts(tokenizer, skip: int = 0, sizes: dict[str, int] | None = None, 
     def make(name: str, item) -> str:
         if name == "T":
             return rng.choice(_TRANSLATE).format(lang=rng.choice(_LANGUAGES), text=item)
-        if name == "Q":
-            return item
-        if name == "W":
+        if name in "QW":
             return item
         if name == "K":
             lang, code = item
