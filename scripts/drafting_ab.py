@@ -4,8 +4,10 @@ per bench category against the first method, τ, and drafting / the rest of a pa
     python scripts/drafting_ab.py --dtype q8 --methods "none;eagle@2;eagle@2:tree;ngram@auto" \
         [--per-category 1] [--repeats 2] [--tokens 64] [--out ab.json]
 
-A method is DRAFTER[@GAMMA][:tree]; ``:tree`` drafts an EAGLE head's tree in PyTorch calls where it
-would otherwise draft its chain in one kernel call (beside a GGUF target on the CPU kernels).
+A method is DRAFTER[@GAMMA][:tree][:trees-only]; ``:tree`` drafts an EAGLE head's tree in PyTorch
+calls where it would otherwise draft its chain in one kernel call (beside a GGUF target on the CPU
+kernels); ``:trees-only`` keeps ``X+ngram``'s γ auto from drafting the lookup alone while the trees
+are off (the control before controller.HybridGamma).
 Made benchmarks/results/cpu-AVX512BF16-2026-11-27-eagle-chain/."""
 import argparse
 import collections
@@ -36,11 +38,14 @@ def main() -> None:
         by_category[prompt.category].append(prompt.prompt)
     methods = {}
     for m in a.methods.split(";"):
-        spec, tree = (m[:-5], True) if m.endswith(":tree") else (m, False)
+        spec, trees_only = (m[: -len(":trees-only")], True) if m.endswith(":trees-only") else (m, False)
+        spec, tree = (spec[:-5], True) if spec.endswith(":tree") else (spec, False)
         drafter, _, gamma = spec.partition("@")
         gen = speculant.load("default", drafter=drafter, dtype=a.dtype)
         if tree:
             eagle_in(gen.drafter).chains = False
+        if trees_only:
+            gen.drafter.has_lookup = False
         methods[m] = (gen, {"gamma": gamma if gamma in ("", "auto") else int(gamma)} if gamma else {})
     for gen, kw in methods.values():  # warm: kernels, caches, the engine's first costs
         gen.generate(by_category["rag"][0], max_new_tokens=16, temperature=0.0, **kw)

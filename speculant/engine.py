@@ -13,7 +13,7 @@ from typing import Iterator
 
 import torch
 
-from .controller import ChainGamma, CostModel, FixedGamma, Plan, TreeGamma
+from .controller import ChainGamma, CostModel, FixedGamma, HybridGamma, Plan, TreeGamma
 from .drafters.base import DraftContext, Drafter, Proposal, sync
 from .drafters.model import left_pad
 from .errors import SpeculantError
@@ -246,6 +246,8 @@ class Engine:
             control = FixedGamma(0, self.costs, per_pass)
         elif req.gamma != "auto":
             control = FixedGamma(req.gamma, self.costs, per_pass)
+        elif drafter.has_lookup:
+            control = HybridGamma(n, most, costs=self.costs, per_pass=per_pass, deepens=drafter.deepens_with_budget)
         elif drafter.makes_trees:
             control = TreeGamma(n, most, costs=self.costs, per_pass=per_pass, deepens=drafter.deepens_with_budget)
         else:  # drafts that cost nothing are seen before each row's γ is chosen
@@ -380,8 +382,11 @@ class Engine:
         verifying). Returns the capped proposal and the control's plan."""
         batch = len(b.slots)
 
-        def propose(budget: int) -> Proposal:
-            prop = b.drafter.propose(budget) if budget > 0 else self._empty(batch)
+        def propose(budget: int, lookup: bool = False) -> Proposal:
+            if budget <= 0:
+                prop = self._empty(batch)
+            else:
+                prop = b.drafter.propose_lookup(budget) if lookup else b.drafter.propose(budget)
             check_proposal(prop, batch, budget, self.vocab_size, self.device)
             return prop
 
@@ -518,7 +523,7 @@ class Batch(PerRow):
     drafter: Drafter
     history: TokenHistory | None
     seeded: SeededRows  # which rows are seeded, and where each stands
-    control: FixedGamma | ChainGamma | TreeGamma
+    control: FixedGamma | ChainGamma | TreeGamma | HybridGamma
     taps: tuple
     pending: torch.Tensor | None = None  # [B] each row's next token, not yet in the target's cache
     path: torch.Tensor | None = None  # a tree pass's accepted path
@@ -565,8 +570,9 @@ def _cap(prop: Proposal, caps: list[int], block_width=None) -> Proposal:
     every row's length they are verified and ignored, like a batch's shorter rows."""
     if prop.tokens.shape[1] == 0 and (block_width is None or block_width(0) == 0):
         return Proposal(prop.tokens, prop.lengths, grades=prop.grades)  # nothing proposed: a plain pass
-    lengths = torch.minimum(prop.lengths, torch.tensor(caps, device=prop.lengths.device, dtype=prop.lengths.dtype))
-    width = int(lengths.max()) if lengths.numel() else 0
+    kept = [min(n, c) for n, c in zip(prop.lengths.tolist(), caps)]
+    lengths = torch.tensor(kept, device=prop.lengths.device, dtype=prop.lengths.dtype)
+    width = max(kept, default=0)
     if block_width is not None:
         width = block_width(width)
 
@@ -589,9 +595,9 @@ def check_proposal(prop: Proposal, batch: int, gamma: int, vocab: int, device: t
                              f"[{batch}, <= {gamma}] (rows, draft tokens): fix the drafter's propose()")
     if t.device != device or prop.lengths.device != device:
         raise SpeculantError(f"drafter returned tensors on {t.device}, but the target runs on {device}")
-    if prop.lengths.shape != (batch,) or bool((prop.lengths < 0).any()) or bool((prop.lengths > t.shape[1]).any()):
+    if prop.lengths.shape != (batch,) or not all(0 <= n <= t.shape[1] for n in prop.lengths.tolist()):
         raise SpeculantError(f"drafter returned lengths {prop.lengths.tolist()}: each must be within 0..{t.shape[1]}")
-    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab):
+    if t.numel() and not all(0 <= int(i) < vocab for i in torch.aminmax(t)):
         raise SpeculantError(f"drafter proposed token ids outside the vocabulary (0..{vocab - 1})")
     if prop.probs is not None and tuple(prop.probs.shape) != (batch, t.shape[1], vocab):
         raise SpeculantError(f"drafter returned q of shape {tuple(prop.probs.shape)}; expected "

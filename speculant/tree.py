@@ -28,45 +28,72 @@ def check_tree(parents: torch.Tensor, lengths: torch.Tensor) -> None:
                              f"must be an earlier node (0..{i - 1}) or -1 for the root")
 
 
+def _depths_of(row: list[int]) -> list[int]:
+    """One row's node depths from its parent list (a padding node whose parent is not earlier:
+    depth 2, where it points at or past itself; 1 under the root)."""
+    d: list[int] = []
+    for i, p in enumerate(row):
+        d.append(d[p] + 1 if 0 <= p < i else 2 if p >= i else 1)
+    return d
+
+
+def _ancestry_of(row: list[int]) -> list[list[int]]:
+    """One row's nodes each with its ancestors: [node, parent, ..., the root's child] (a padding
+    node whose parent is not earlier: itself and that parent, if another)."""
+    chains: list[list[int]] = []
+    for i, p in enumerate(row):
+        chains.append([i] + chains[p] if 0 <= p < i else [i, p] if p > i else [i])
+    return chains
+
+
+# Trees are a few dozen nodes a row: walked in Python lists after one copy off the device, where a
+# loop of tensor ops a node cost ~15 us a node (a 15-node tree's layout ~0.6 ms of a CPU pass).
+
 def depths(parents: torch.Tensor) -> torch.Tensor:
     """[B, N] depth of each node below the root (children of the root: 1)."""
-    B, N = parents.shape
-    out = torch.ones(B, N, dtype=torch.long, device=parents.device)
-    for i in range(N):
-        p = parents[:, i]
-        has = p >= 0
-        if bool(has.any()):
-            out[:, i] = torch.where(has, out.gather(1, p.clamp_min(0)[:, None]).squeeze(1) + 1, out[:, i])
-    return out
+    return torch.tensor([_depths_of(row) for row in parents.tolist()], dtype=torch.long,
+                        device=parents.device).view(parents.shape)
 
 
 def tree_depth(parents: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """[B] the depth of each row's tree (its longest root-to-leaf path; 0 for no nodes)."""
-    real = torch.arange(parents.shape[1], device=parents.device)[None] < lengths[:, None]
-    return torch.where(real, depths(parents), 0).amax(1) if parents.shape[1] else lengths * 0
+    most = [max(_depths_of(row)[:n], default=0) for row, n in zip(parents.tolist(), lengths.tolist())]
+    return torch.tensor(most, dtype=torch.long, device=parents.device)
+
+
+def _ancestor_index(parents: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
+    """(row, node, ancestor-or-self) index lists of every row's ancestry."""
+    rows, nodes, seen = [], [], []
+    for b, row in enumerate(parents.tolist()):
+        for i, chain in enumerate(_ancestry_of(row)):
+            rows += [b] * len(chain)
+            nodes += [i] * len(chain)
+            seen += chain
+    return rows, nodes, seen
 
 
 def ancestors(parents: torch.Tensor) -> torch.Tensor:
     """[B, N, N] bool: entry (b, i, j) is True when node j is node i or one of its ancestors."""
     B, N = parents.shape
-    anc = torch.eye(N, dtype=torch.bool, device=parents.device)[None].repeat(B, 1, 1)
-    for i in range(N):
-        p = parents[:, i]
-        has = p >= 0
-        if bool(has.any()):
-            inherited = anc[torch.arange(B, device=parents.device), p.clamp_min(0)]
-            anc[:, i] |= inherited & has[:, None]
+    anc = torch.zeros(B, N, N, dtype=torch.bool, device=parents.device)
+    anc[_index(_ancestor_index(parents), parents.device)] = True
     return anc
+
+
+def _index(lists, device) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.tensor(x, dtype=torch.long, device=device) for x in lists)
 
 
 def block_layout(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """For the verify block [root, node 0, ..., node N-1]: position offsets [B, N+1] (root 0,
     node i its depth) and visibility [B, N+1, N+1] (query t sees block slot s)."""
     B, N = parents.shape
-    offsets = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=parents.device), depths(parents)], 1)
+    offsets = torch.tensor([[0] + _depths_of(row) for row in parents.tolist()], dtype=torch.long,
+                           device=parents.device).view(B, N + 1)
     vis = torch.zeros(B, N + 1, N + 1, dtype=torch.bool, device=parents.device)
     vis[:, :, 0] = True
-    vis[:, 1:, 1:] = ancestors(parents)
+    rows, nodes, seen = _ancestor_index(parents)
+    vis[_index((rows, [i + 1 for i in nodes], [j + 1 for j in seen]), parents.device)] = True
     return offsets, vis
 
 

@@ -432,3 +432,37 @@ def test_the_engine_remembers_acceptance_per_grade_for_new_requests():
     fresh = CostModel()  # the same costs, no drafts seen: the 0.6 prior drafts short
     fresh.verify.points = dict(costs.verify.points)
     assert 1 <= ChainGamma(rows=1, gamma_max=15, costs=fresh, sees_drafts=True).choose(50, [15], [3])[1][0] < 6
+
+
+def test_a_hybrid_drafts_its_lookup_alone_while_its_trees_do_not_pay():
+    """X+ngram: with a head that costs more than its trees bring, the passes draft the lookup's
+    chains alone (chosen as ChainGamma chooses them: long, where they keep being accepted), and the
+    head's trees are re-tried now and then."""
+    import torch
+
+    from speculant.controller import HybridGamma
+    from speculant.drafters.base import Proposal, tree_proposal
+    from speculant.engine import _cap
+
+    ctl = HybridGamma(rows=1, gamma_max=8)
+    kinds, lookup_caps = [], []
+
+    def propose(budget, lookup=False):
+        kinds.append("lookup" if lookup else "tree")
+        if lookup:  # a chain the text always confirms
+            return Proposal(torch.arange(10, 10 + budget)[None], torch.tensor([budget]), grades=[3])
+        chain = ([5] * budget, list(range(-1, budget - 1)), [0.8 ** d for d in range(1, budget + 1)])
+        return tree_proposal([chain], torch.device("cpu"))
+
+    for _ in range(300):
+        plan = ctl.plan(50, propose)
+        prop = _cap(plan.prop, plan.caps)
+        drafted = int(prop.lengths[0])
+        if plan.lookup:
+            lookup_caps.append(drafted)
+        accepted = [drafted if plan.lookup else min(2, drafted)]
+        width = prop.tokens.shape[1] + 1
+        ctl.learn(prop, plan, accepted, 0.0 if plan.lookup else 3.0, 1.0 + 0.01 * width)  # a head of 3 passes
+    later = kinds[100:]
+    assert later.count("lookup") > 180 and 0 < later.count("tree") < 20, later
+    assert sum(c >= 6 for c in lookup_caps[-100:]) > 90, lookup_caps[-100:]

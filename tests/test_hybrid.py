@@ -167,3 +167,24 @@ def test_lookup_chains_are_scored_by_what_their_grade_has_been_accepted():
     assert again.scores[0, 0] == pytest.approx(strong_alpha) and strong.scores[0, 0] == pytest.approx(0.5)
     d.lookup._extend(0, [4, 8, 5])  # (8, 5) and (4, 8, 5) are new: only the 1-gram (5,) matches
     assert d.propose(2).scores[0, 0] == pytest.approx(weak_alpha)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_with_its_trees_off_the_lookup_drafts_alone_and_the_text_is_exact(tmp_path, monkeypatch, batch):
+    """γ auto switches trees that do not pay off (forced here); the lookup's chains are then drafted
+    alone (``propose_lookup``), are accepted on repetitive text, and the text is HF's."""
+    from speculant.controller import TreeGamma
+
+    monkeypatch.setattr(TreeGamma, "_trees_pay", lambda self, batch: False)
+    target = tiny_llama(0, layers=2)
+    drafter = HybridDrafter(load_eagle(_random_eagle_folder(tmp_path, target, scale=0.3), target, "tiny"))
+    alone = []
+    lookup = drafter.propose_lookup
+    monkeypatch.setattr(drafter, "propose_lookup", lambda gamma: alone.append(gamma) or lookup(gamma))
+    prompts = _prompts(batch)
+    outs = speculant.generate(target, prompts, drafter=drafter, gamma="auto", max_new_tokens=40, path="fast")
+    for p, out in zip(prompts, outs):
+        ref = hf_greedy(target, p, 40)
+        assert out.token_ids == ref, mismatch_report(target, p, ref, out.token_ids)
+    assert len(alone) > 10, alone
+    assert sum(o.stats["accepted_draft_tokens"] for o in outs) > 0

@@ -6,9 +6,12 @@ from functools import lru_cache
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 import speculant.verify as verify
+from speculant.tree import ancestors, block_layout, depths, tree_depth
 from speculant.verify import chain_parents, greedy_verify, tree_greedy_verify, tree_sample_verify
 
 V = 3
@@ -224,3 +227,49 @@ def test_chains_give_the_same_answer_on_both_routes():
     assert torch.equal(n1, n2) and torch.equal(t1, t2)
     for b in range(B):
         assert path[b, : n1[b]].tolist() == list(range(int(n1[b])))
+
+
+# ---- the tree walks (tree.py, tree_greedy_verify) against a plain node-by-node reference -------
+
+
+@st.composite
+def _trees(draw):
+    """A batch of best-first trees as drafters give them: row b's first lengths[b] nodes each under
+    an earlier node or the root, padding after them under the root; tokens from a small vocabulary
+    (so siblings share tokens), and a target choice per block position."""
+    B, N = draw(st.integers(1, 4)), draw(st.integers(0, 9))
+    lengths = [draw(st.integers(0, N)) for _ in range(B)]
+    parents = [[draw(st.integers(-1, i - 1)) if i < n else -1 for i in range(N)] for n in lengths]
+    tokens = [[draw(st.integers(0, 2)) for _ in range(N)] for _ in range(B)]
+    choice = [[draw(st.integers(0, 2)) for _ in range(N + 1)] for _ in range(B)]
+    return parents, lengths, tokens, choice
+
+
+@settings(max_examples=300, deadline=None)
+@given(_trees())
+def test_tree_walks_equal_a_node_by_node_reference(tree):
+    parents, lengths, tokens, choice = tree
+    B, N = len(parents), len(parents[0])
+
+    def lineage(row, i):  # node i, then its ancestors up to the root's child
+        return [i] + (lineage(row, row[i]) if row[i] >= 0 else [])
+
+    want_depth = [[len(lineage(row, i)) for i in range(N)] for row in parents]
+    want_anc = [[[j in lineage(row, i) for j in range(N)] for i in range(N)] for row in parents]
+    P = torch.tensor(parents, dtype=torch.long).view(B, N)
+    L = torch.tensor(lengths)
+    assert depths(P).tolist() == want_depth
+    assert ancestors(P).view(B, N, N).tolist() == want_anc
+    assert tree_depth(P, L).tolist() == [max(d[:n], default=0) for d, n in zip(want_depth, lengths)]
+    offsets, vis = block_layout(P)
+    assert offsets.tolist() == [[0] + d for d in want_depth]
+    assert vis.tolist() == [[[True] + [False] * N] + [[True] + a for a in anc] for anc in want_anc]
+    n, nxt, path = tree_greedy_verify(torch.tensor(choice).view(B, N + 1), torch.tensor(tokens).view(B, N), P, L)
+    for b in range(B):  # from the root, the first real child carrying the target's choice, while one exists
+        node, walk = -1, []
+        while (child := next((c for c in range(lengths[b]) if parents[b][c] == node
+                              and tokens[b][c] == choice[b][node + 1]), None)) is not None:
+            node = child
+            walk.append(child)
+        assert path[b].tolist() == walk + [-1] * (N - len(walk))
+        assert (int(n[b]), int(nxt[b])) == (len(walk), choice[b][node + 1])

@@ -127,6 +127,9 @@ class Drafter(PerRow, ABC):
     # a tree drafter whose proposal costs more the more nodes it is asked for (an EAGLE chain on
     # the CPU kernels: a head step a level): gamma="auto" asks it for about the nodes it verifies
     deepens_with_budget: bool = False
+    # proposes a prompt lookup's chain alone too (``propose_lookup``: X+ngram), which costs nothing:
+    # gamma="auto" drafts it while the drafter's trees do not pay
+    has_lookup: bool = False
     # the most draft tokens one proposal can hold (a block drafter: its block size - 1); None: any
     max_gamma: int | None = None
     # seconds of the last ``propose`` spent on one-off catch-up (a lazy prompt prefill): gamma="auto"
@@ -152,6 +155,10 @@ class Drafter(PerRow, ABC):
         step may stop once no further node of its own could enter the best γ; by default the
         rivals change nothing."""
         return self.propose(gamma)
+
+    def propose_lookup(self, gamma: int) -> Proposal:
+        """A drafter with ``has_lookup``: its prompt lookup's chains alone (up to γ tokens a row)."""
+        raise NotImplementedError(f"{self.describe()} has no lookup of its own")
 
     @abstractmethod
     def update(self, new_tokens: list[list[int]], n_accepted: list[int]) -> None:

@@ -14,7 +14,9 @@ score. Scores never grow along a path, so best first lists every parent before i
 any prefix is a tree. The lookup chain is drafted first and its scores are handed to the tree
 drafter (``propose_among``): a head that grows its tree depth by depth stops once none of its
 deeper nodes could beat them to the γ slots, so a chain the text keeps confirming (RAG,
-summaries) spares most of the head's forwards.
+summaries) spares most of the head's forwards. With γ auto, while the trees do not pay (a head
+beside q8 on most text) the lookup's chains are drafted alone (``propose_lookup``,
+controller.HybridGamma), as ``ngram`` would draft them.
 
 Both drafts are deterministic functions of the accepted text (q one-hot), so greedy and sampled
 verification stay exact.
@@ -53,6 +55,8 @@ def merge_trees(tree: tuple[list[int], list[int], list[float]], chain: list[int]
 
 class HybridDrafter(Drafter):
     makes_trees = True
+    has_lookup = True  # γ auto drafts the lookup alone while the trees do not pay (HybridGamma)
+    lookup_only = False  # the last proposal was the lookup's alone
 
     def __init__(self, tree: Drafter, label: str | None = None):
         if not tree.makes_trees:
@@ -78,7 +82,7 @@ class HybridDrafter(Drafter):
 
     @property
     def catchup_seconds(self) -> float:
-        return self.tree.catchup_seconds
+        return 0.0 if self.lookup_only else self.tree.catchup_seconds
 
     def start(self, ctx: DraftContext) -> None:
         self.ctx = ctx
@@ -88,11 +92,22 @@ class HybridDrafter(Drafter):
         # lookup acceptance per row and grade: (hits, judged), a Beta(1, 1) prior
         self.lookup_alpha: list[dict[int, list[float]]] = [{} for _ in range(rows)]
         self.last_chain: list[tuple[list[int], int]] = [([], 0) for _ in range(rows)]
+        self.lookup_only = False
 
-    def propose(self, gamma: int) -> Proposal:
+    def propose_lookup(self, gamma: int) -> Proposal:
+        """The lookup's chains alone (the tree drafter catches up on the text at its next proposal)."""
+        self.lookup_only = True
+        return self._lookup(gamma)[0]
+
+    def _lookup(self, gamma: int) -> tuple[Proposal, list[list[int]]]:
         lookup = self.lookup.propose(gamma)
         chains = [row[:k] for row, k in zip(lookup.tokens.tolist(), lookup.lengths.tolist())]
         self.last_chain = list(zip(chains, lookup.grades))
+        return lookup, chains
+
+    def propose(self, gamma: int) -> Proposal:
+        self.lookup_only = False
+        lookup, chains = self._lookup(gamma)
         # the chain's node scores compete for the γ slots: a strong chain spares the tree's deep forwards
         alphas = [h / j for h, j in (row.get(g, PRIOR) for row, g in zip(self.lookup_alpha, lookup.grades))]
         rivals = torch.zeros(len(chains), max(map(len, chains), default=0))

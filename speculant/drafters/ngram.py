@@ -99,11 +99,9 @@ class NgramDrafter(Drafter):
         if self.tree:
             return tree_proposal([self._tree(row, gamma) for row in range(len(self.texts))], self.device)
         found, grades = zip(*[self._lookup(row, gamma) for row in range(len(self.texts))]) if self.texts else ((), ())
-        tokens = torch.zeros(len(found), gamma, dtype=torch.long)
-        for row, cont in enumerate(found):
-            tokens[row, : len(cont)] = torch.tensor(cont, dtype=torch.long)
-        lengths = torch.tensor([len(c) for c in found], dtype=torch.long)
-        return Proposal(tokens.to(self.device), lengths.to(self.device), None, grades=list(grades))
+        tokens = torch.tensor([c + [0] * (gamma - len(c)) for c in found], dtype=torch.long, device=self.device)
+        lengths = torch.tensor([len(c) for c in found], dtype=torch.long, device=self.device)
+        return Proposal(tokens.view(len(found), gamma), lengths, None, grades=list(grades))
 
     def update(self, new_tokens, n_accepted) -> None:
         for row, toks in enumerate(new_tokens):

@@ -649,9 +649,11 @@ class StaticKVState(PerRow):
     def keep_path(self, start: torch.Tensor, path: torch.Tensor, n: torch.Tensor) -> None:
         """After a tree pass written from slot ``start``: move the accepted nodes' K/V (block slots
         1 + path[:n]) next to the root, so the row's cache holds exactly root + accepted path."""
-        width = int(n.max()) if n.numel() else 0
-        steps = torch.arange(width, device=path.device)[None]
-        if width and not bool(((path[:, :width] == steps) | (steps >= n[:, None])).all()):  # else: in place already
+        ns = n.tolist()
+        width = max(ns, default=0)
+        in_place = all(row[:k] == list(range(k)) for row, k in zip(path[:, :width].tolist(), ns))
+        if not in_place:  # else: the accepted nodes' keys and values are where the path puts them already
+            steps = torch.arange(width, device=path.device)[None]
             dst = start[:, None] + 1 + steps
             src = torch.where(steps < n[:, None], start[:, None] + 1 + path[:, :width], dst)
             rows = torch.arange(len(start), device=path.device)[:, None].expand(-1, width)
