@@ -27,7 +27,8 @@ included (``TreeGamma.tree_budget``), with a 10% margin. Each pass then keeps th
 verifying, by the drafter's scores calibrated per row and depth (``choose_tree``); a row already
 drafting verifies at least its best node, so one pessimistic estimate does not switch it off.
 A tree drafter whose proposal costs more the more nodes it is asked for (an EAGLE chain on the CPU
-kernels) is asked for two nodes more than its trees have been verifying.
+kernels) is asked for two nodes more than its trees have been verifying. A tree drafter merged with
+prompt lookup (``X+ngram``, ``HybridGamma``) drafts the lookup's chains alone while its trees are off.
 
 The engine sees one interface for chains and trees alike (a chain is a tree of width one):
 ``plan(room, propose)`` asks the drafter (``propose(budget)``) for the draft tokens or nodes worth
