@@ -8,7 +8,7 @@ A method is DRAFTER[@GAMMA][:tree][:trees-only]; ``:tree`` drafts an EAGLE head'
 calls where it would otherwise draft its chain in one kernel call (beside a GGUF target on the CPU
 kernels); ``:trees-only`` keeps ``X+ngram``'s γ auto from drafting the lookup alone while the trees
 are off (the control before controller.HybridGamma).
-Made benchmarks/results/cpu-AVX512BF16-2026-11-27-eagle-chain/."""
+Made benchmarks/results/cpu-AVX512BF16-2026-11-27-eagle-chain/ and .../cpu-AVX512BF16-2026-11-27-lighter-passes/."""
 import argparse
 import collections
 import json

@@ -677,9 +677,9 @@ class HybridGamma(TreeGamma):
     row_fields = TreeGamma.row_fields + ("lookup",)
 
     def __init__(self, rows: int, gamma_max: int = 8, retry_every: int = 16, costs: CostModel | None = None,
-                 per_pass: bool = True, deepens: bool = False, lookup_max: int | None = None):
+                 per_pass: bool = True, deepens: bool = False):
         super().__init__(rows, gamma_max, retry_every, costs, per_pass, deepens)
-        self.lookup = ChainGamma(rows, lookup_max or gamma_max, retry_every, self.cost_model, sees_drafts=True)
+        self.lookup = ChainGamma(rows, gamma_max, retry_every, self.cost_model, sees_drafts=True)
 
     def plan(self, room: int, propose: Callable[..., Proposal]) -> Plan:
         """A tree pass (``propose(budget)``), or while the trees are off, the lookup's chains

@@ -25,7 +25,6 @@ next catch-up: rolling back is moving a length.
 """
 from __future__ import annotations
 
-
 import time
 from pathlib import Path
 
