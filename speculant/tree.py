@@ -61,10 +61,10 @@ def tree_depth(parents: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return torch.tensor(most, dtype=torch.long, device=parents.device)
 
 
-def _ancestor_index(parents: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
+def _ancestor_index(parent_rows: list[list[int]]) -> tuple[list[int], list[int], list[int]]:
     """(row, node, ancestor-or-self) index lists of every row's ancestry."""
     rows, nodes, seen = [], [], []
-    for b, row in enumerate(parents.tolist()):
+    for b, row in enumerate(parent_rows):
         for i, chain in enumerate(_ancestry_of(row)):
             rows += [b] * len(chain)
             nodes += [i] * len(chain)
@@ -76,7 +76,7 @@ def ancestors(parents: torch.Tensor) -> torch.Tensor:
     """[B, N, N] bool: entry (b, i, j) is True when node j is node i or one of its ancestors."""
     B, N = parents.shape
     anc = torch.zeros(B, N, N, dtype=torch.bool, device=parents.device)
-    anc[_index(_ancestor_index(parents), parents.device)] = True
+    anc[_index(_ancestor_index(parents.tolist()), parents.device)] = True
     return anc
 
 
@@ -88,11 +88,12 @@ def block_layout(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """For the verify block [root, node 0, ..., node N-1]: position offsets [B, N+1] (root 0,
     node i its depth) and visibility [B, N+1, N+1] (query t sees block slot s)."""
     B, N = parents.shape
-    offsets = torch.tensor([[0] + _depths_of(row) for row in parents.tolist()], dtype=torch.long,
+    parent_rows = parents.tolist()  # one copy off the device for both walks
+    offsets = torch.tensor([[0] + _depths_of(row) for row in parent_rows], dtype=torch.long,
                            device=parents.device).view(B, N + 1)
     vis = torch.zeros(B, N + 1, N + 1, dtype=torch.bool, device=parents.device)
     vis[:, :, 0] = True
-    rows, nodes, seen = _ancestor_index(parents)
+    rows, nodes, seen = _ancestor_index(parent_rows)
     vis[_index((rows, [i + 1 for i in nodes], [j + 1 for j in seen]), parents.device)] = True
     return offsets, vis
 
