@@ -4,19 +4,62 @@ per bench category against the first method, τ, and drafting / the rest of a pa
     python scripts/drafting_ab.py --dtype q8 --methods "none;eagle@2;eagle@2:tree;ngram@auto" \
         [--per-category 1] [--repeats 2] [--tokens 64] [--out ab.json]
 
-A method is DRAFTER[@GAMMA][:tree][:trees-only]; ``:tree`` drafts an EAGLE head's tree in PyTorch
-calls where it would otherwise draft its chain in one kernel call (beside a GGUF target on the CPU
-kernels); ``:trees-only`` keeps ``X+ngram``'s γ auto from drafting the lookup alone while the trees
-are off (the control before controller.HybridGamma).
-Made benchmarks/results/cpu-AVX512BF16-2026-11-27-eagle-chain/ and .../cpu-AVX512BF16-2026-11-27-lighter-passes/."""
+A method is DRAFTER[@GAMMA][:tree][:trees-only][:base]; ``:tree`` drafts an EAGLE head's tree in
+PyTorch calls where it would otherwise draft its chain in one kernel call (beside a GGUF target on the
+CPU kernels); ``:trees-only`` keeps ``X+ngram``'s γ auto from drafting the lookup alone while the
+trees are off (the control before controller.HybridGamma); ``:base`` runs on the CPU kernels built
+from ``--base REV``'s csrc/ (a git revision: a kernel change against the build before it, in one
+process: ``--base HEAD~1 --methods "none:base;none;eagle@2:base;eagle@2"``).
+Made benchmarks/results/cpu-AVX512BF16-2026-11-27-eagle-chain/, .../cpu-AVX512BF16-2026-11-27-lighter-passes/
+and .../cpu-AVX512BF16-2026-11-27-one-region/."""
 import argparse
+import ast
 import collections
+import hashlib
 import json
+import re
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import speculant
 from speculant.bench.machine import machine_info
 from speculant.bench.prompts import read_prompts
+from speculant.models import native
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def base_kernels(rev: str):
+    """The CPU kernels module built from ``rev``'s csrc/ under a name of its own (beside this tree's)."""
+    folder = Path(tempfile.mkdtemp(prefix="speculant-base-"))
+    files = subprocess.run(["git", "-C", str(REPO), "archive", rev, "speculant/models/csrc", "speculant/models/native.py"],
+                           capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=files, check=True)
+    src = folder / "speculant/models/csrc"
+    names = ast.literal_eval(re.search(r"^FUNCTIONS = (\(.*?\))$", (folder / "speculant/models/native.py").read_text(),
+                                       re.S | re.M).group(1))
+    from torch.utils import cpp_extension
+
+    tag = hashlib.sha256(files + " ".join(native.FLAGS).encode()).hexdigest()[:12]
+    print(f"building the kernels of {rev} (about a minute)", flush=True)
+    return cpp_extension.load_inline(f"speculant_kernels_base_{tag}", [(src / "kernels.cpp").read_text()],
+                                     functions=list(names), extra_cflags=list(native.FLAGS), extra_ldflags=["-fopenmp"],
+                                     extra_include_paths=[str(src)])
+
+
+class Kernels:
+    """Which kernels module the next calls use (this tree's, or ``--base``'s): speculant asks
+    ``native.build`` for it at each call."""
+
+    def __init__(self, base_rev: str | None):
+        self.own, self.build = native.build(), native.build
+        self.base = base_kernels(base_rev) if base_rev else None
+
+    def use(self, base: bool) -> None:
+        module = self.base if base else self.own
+        native.build = (lambda isa=(): module) if base else self.build
 
 
 def eagle_in(drafter):
@@ -31,14 +74,21 @@ def main() -> None:
     p.add_argument("--per-category", type=int, default=1)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--base", help="a git revision whose CPU kernels the methods marked :base run on")
     p.add_argument("--out")
     a = p.parse_args()
+    kernels = Kernels(a.base)
     by_category = collections.defaultdict(list)
     for prompt in read_prompts():
         by_category[prompt.category].append(prompt.prompt)
     methods = {}
+    on_base = {}
     for m in a.methods.split(";"):
-        spec, trees_only = (m[: -len(":trees-only")], True) if m.endswith(":trees-only") else (m, False)
+        spec, on_base[m] = (m[: -len(":base")], True) if m.endswith(":base") else (m, False)
+        if on_base[m] and not a.base:
+            p.error(f"{m}: :base needs --base REV")
+        kernels.use(on_base[m])  # a method's model binds its layers in the module it will run on
+        spec, trees_only = (spec[: -len(":trees-only")], True) if spec.endswith(":trees-only") else (spec, False)
         spec, tree = (spec[:-5], True) if spec.endswith(":tree") else (spec, False)
         drafter, _, gamma = spec.partition("@")
         gen = speculant.load("default", drafter=drafter, dtype=a.dtype)
@@ -47,7 +97,8 @@ def main() -> None:
         if trees_only:
             gen.drafter.has_lookup = False
         methods[m] = (gen, {"gamma": gamma if gamma in ("", "auto") else int(gamma)} if gamma else {})
-    for gen, kw in methods.values():  # warm: kernels, caches, the engine's first costs
+    for m, (gen, kw) in methods.items():  # warm: kernels, caches, the engine's first costs
+        kernels.use(on_base[m])
         gen.generate(by_category["rag"][0], max_new_tokens=16, temperature=0.0, **kw)
     res = collections.defaultdict(lambda: {"tokens": 0, "seconds": 0.0, "passes": 0, "drafting": 0.0})
     for rep in range(a.repeats):
@@ -55,6 +106,7 @@ def main() -> None:
             for prompt in prompts[: a.per_category]:
                 order = list(methods.items())
                 for m, (gen, kw) in order if rep % 2 == 0 else order[::-1]:
+                    kernels.use(on_base[m])
                     t = time.perf_counter()
                     s = gen.generate(prompt, max_new_tokens=a.tokens, temperature=0.0, **kw).stats
                     r = res[(m, category)]
