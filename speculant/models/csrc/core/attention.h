@@ -42,7 +42,7 @@ struct AttentionShape {
 // Fewer tasks than SPREAD_TASKS over at least SPREAD_KEYS keys (a step or a short block over a long
 // context has a task a kv head: 3 on 2 threads left one thread two of them) are spread over the
 // threads step by step: the scores SPREAD_BLOCKS blocks of keys at a time, each row's softmax, the
-// weighted values two heads at a time. Below 256 keys the two extra fork/joins cost what it saves.
+// weighted values two or three heads at a time. Below 256 keys the two extra fork/joins cost what it saves.
 constexpr int64_t SPREAD_TASKS = 16, SPREAD_KEYS = 256, SPREAD_BLOCKS = 4;
 
 // keys x0 .. x0 + LANES - 1 of a [S, D] cache with rows `stride` apart, a key per lane: kt[d * LANES
@@ -193,15 +193,16 @@ struct Attender {
     t.total[u * g + j] = l;
   }
 
-  // heads j and j + 1 of query u (a zero weight pads a last single head): the probability-weighted
-  // values key after key (in registers where the head dim is NC native vectors), over the rows' sums
-  template <int64_t NC>
+  // heads j .. j + N - 1 of query u (zero weights pad heads past g): the probability-weighted values
+  // key after key (in registers where the head dim is NC native vectors), over the rows' sums. Each
+  // head's sum is its own, in the same order however many heads share the reads of the values.
+  template <int64_t NC, int N>
   void weigh(const Task& t, int64_t u, int64_t j, const float* s, float* row) const {
     const int64_t n = count[t.b * sh.T + t.t0 + u], D = sh.D, nc = NC ? NC : D / NATIVE;
     if (n <= 0) return;
-    const float* w0 = s + (u * g + j) * t.L16;
-    const float* w1 = j + 1 < g ? w0 + t.L16 : nullptr;
-    vn acc0[NC ? NC : MAX_D / NATIVE] = {}, acc1[NC ? NC : MAX_D / NATIVE] = {};
+    const float* w[N];
+    for (int i = 0; i < N; ++i) w[i] = j + i < g ? s + (u * g + j + i) * t.L16 : nullptr;
+    vn acc[N][NC ? NC : MAX_D / NATIVE] = {};
     for (int64_t x = 0; x < n; ++x) {
       const int64_t slot = slot_of(t, u, x);
       const float* val = t.values + x * t.values_stride;
@@ -210,30 +211,38 @@ struct Attender {
         for (int64_t d = 0; d < D; ++d) row[d] = to_float(src[d]);
         val = row;
       }
-      const float p0 = w0[x], p1 = w1 ? w1[x] : 0.f;
+      float p[N];
+      for (int i = 0; i < N; ++i) p[i] = w[i] ? w[i][x] : 0.f;
 #pragma GCC unroll 32
       for (int64_t c = 0; c < (NC ? NC : nc); ++c) {
         const vn vc = vload<vn>(val + c * NATIVE);
-        acc0[c] += p0 * vc;
-        acc1[c] += p1 * vc;
+#pragma GCC unroll 4
+        for (int i = 0; i < N; ++i) acc[i][c] += p[i] * vc;
       }
     }
-    for (int64_t i = 0; i < 2 && j + i < g; ++i) {
-      const vn* acc = i ? acc1 : acc0;
+    for (int64_t i = 0; i < N && j + i < g; ++i)
       for (int64_t c = 0; c < nc; ++c)
         for (int64_t lane = 0; lane < NATIVE; ++lane)
           out.at(t.b, t.h * g + j + i, t.t0 + u, c * NATIVE + lane) =
-              from_float<T>(acc[c][lane] / t.total[u * g + j + i]);
-    }
+              from_float<T>(acc[i][c][lane] / t.total[u * g + j + i]);
   }
 
-  void weigh_pair(const Task& t, int64_t u, int64_t j, const float* s, float* row) const {
-    if (sh.D == 64)
-      weigh<64 / NATIVE>(t, u, j, s, row);
+  // heads a call of weigh_heads takes: three where the query heads of a kv head come in threes and
+  // their accumulators fit in half the registers (AVX-512 at D = 64: the values read once for
+  // SmolLM2's 3 query heads, not twice as by pairs), else two
+  int64_t heads_at_once() const {
+    return g % 3 == 0 && sh.D == 64 && 3 * (64 / NATIVE) <= 16 ? 3 : 2;
+  }
+
+  void weigh_heads(const Task& t, int64_t u, int64_t j, const float* s, float* row) const {
+    if (heads_at_once() == 3 && sh.D == 64)
+      weigh<64 / NATIVE, 3>(t, u, j, s, row);
+    else if (sh.D == 64)
+      weigh<64 / NATIVE, 2>(t, u, j, s, row);
     else if (sh.D == 128)
-      weigh<128 / NATIVE>(t, u, j, s, row);
+      weigh<128 / NATIVE, 2>(t, u, j, s, row);
     else
-      weigh<0>(t, u, j, s, row);
+      weigh<0, 2>(t, u, j, s, row);
   }
 };
 
@@ -274,12 +283,12 @@ void attend(const AttentionShape& sh, Strided4<const T> q, Strided4<const T> k, 
       for (int64_t item = begin; item < end; ++item)
         at.softmax(ts[item / R], item % R / g, item % R % g, scores[item / R].data());
     });
-    const int64_t pairs = (g + 1) / 2;
-    parallel(tasks * T_ * pairs, 1, [&](int64_t begin, int64_t end) {  // the weighted values, two heads at a time
+    const int64_t per = at.heads_at_once(), calls = (g + per - 1) / per;
+    parallel(tasks * T_ * calls, 1, [&](int64_t begin, int64_t end) {  // the weighted values, 2 or 3 heads at a time
       std::vector<float> row(D);
       for (int64_t item = begin; item < end; ++item) {
-        const int64_t task = item / (T_ * pairs), u = item / pairs % T_;
-        at.weigh_pair(ts[task], u, 2 * (item % pairs), scores[task].data(), row.data());
+        const int64_t task = item / (T_ * calls), u = item / calls % T_;
+        at.weigh_heads(ts[task], u, per * (item % calls), scores[task].data(), row.data());
       }
     });
     return;
@@ -295,7 +304,7 @@ void attend(const AttentionShape& sh, Strided4<const T> q, Strided4<const T> k, 
       for (int64_t x0 = 0; x0 < t.L16; x0 += LANES) at.score_block(t, x0, s.data(), w);
       for (int64_t u = 0; u < t.tn; ++u) {
         for (int64_t j = 0; j < g; ++j) at.softmax(t, u, j, s.data());
-        for (int64_t j = 0; j < g; j += 2) at.weigh_pair(t, u, j, s.data(), row.data());
+        for (int64_t j = 0; j < g; j += at.heads_at_once()) at.weigh_heads(t, u, j, s.data(), row.data());
       }
     }
   });
