@@ -1,11 +1,19 @@
-"""What the side-by-side scripts share: the bench prompts grouped by category, and their results
-written where ``OUT_JSON`` says (with the machine that measured them)."""
+"""What the side-by-side scripts share: the bench prompts grouped by category, their results
+written where ``OUT_JSON`` says (with the machine that measured them), and a git revision's CPU
+kernels beside this tree's (``--base``)."""
+import ast
+import hashlib
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 from speculant.bench.costs import bench_prompts
 from speculant.bench.machine import machine_info
+from speculant.models import native
 
 
 def prompts_by_category(per_category: int) -> list[str]:
@@ -22,3 +30,37 @@ def save_results(results: dict, **extra) -> None:
         named = {" | ".join(map(str, k)) if isinstance(k, tuple) else k: v for k, v in results.items()}
         with open(out, "w") as f:
             json.dump({"argv": sys.argv, "machine": machine_info(), **extra, "results": named}, f, indent=1)
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def base_kernels(rev: str):
+    """The CPU kernels module built from ``rev``'s csrc/ under a name of its own (beside this tree's)."""
+    folder = Path(tempfile.mkdtemp(prefix="speculant-base-"))
+    files = subprocess.run(["git", "-C", str(REPO), "archive", rev, "speculant/models/csrc", "speculant/models/native.py"],
+                           capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=files, check=True)
+    src = folder / "speculant/models/csrc"
+    names = ast.literal_eval(re.search(r"^FUNCTIONS = (\(.*?\))$", (folder / "speculant/models/native.py").read_text(),
+                                       re.S | re.M).group(1))
+    from torch.utils import cpp_extension
+
+    tag = hashlib.sha256(files + " ".join(native.FLAGS).encode()).hexdigest()[:12]
+    print(f"building the kernels of {rev} (about a minute)", flush=True)
+    return cpp_extension.load_inline(f"speculant_kernels_base_{tag}", [(src / "kernels.cpp").read_text()],
+                                     functions=list(names), extra_cflags=list(native.FLAGS), extra_ldflags=["-fopenmp"],
+                                     extra_include_paths=[str(src)])
+
+
+class Kernels:
+    """Which kernels module the next calls use (this tree's, or ``--base``'s): speculant asks
+    ``native.build`` for it at each call."""
+
+    def __init__(self, base_rev: str | None):
+        self.own, self.build = native.build(), native.build
+        self.base = base_kernels(base_rev) if base_rev else None
+
+    def use(self, base: bool) -> None:
+        module = self.base if base else self.own
+        native.build = (lambda isa=(): module) if base else self.build

@@ -13,53 +13,14 @@ process: ``--base HEAD~1 --methods "none:base;none;eagle@2:base;eagle@2"``).
 Made benchmarks/results/cpu-AVX512BF16-2026-11-27-eagle-chain/, .../cpu-AVX512BF16-2026-11-27-lighter-passes/
 and .../cpu-AVX512BF16-2026-11-27-one-region/."""
 import argparse
-import ast
 import collections
-import hashlib
 import json
-import re
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 
 import speculant
+from ab_common import Kernels
 from speculant.bench.machine import machine_info
 from speculant.bench.prompts import read_prompts
-from speculant.models import native
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def base_kernels(rev: str):
-    """The CPU kernels module built from ``rev``'s csrc/ under a name of its own (beside this tree's)."""
-    folder = Path(tempfile.mkdtemp(prefix="speculant-base-"))
-    files = subprocess.run(["git", "-C", str(REPO), "archive", rev, "speculant/models/csrc", "speculant/models/native.py"],
-                           capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(folder)], input=files, check=True)
-    src = folder / "speculant/models/csrc"
-    names = ast.literal_eval(re.search(r"^FUNCTIONS = (\(.*?\))$", (folder / "speculant/models/native.py").read_text(),
-                                       re.S | re.M).group(1))
-    from torch.utils import cpp_extension
-
-    tag = hashlib.sha256(files + " ".join(native.FLAGS).encode()).hexdigest()[:12]
-    print(f"building the kernels of {rev} (about a minute)", flush=True)
-    return cpp_extension.load_inline(f"speculant_kernels_base_{tag}", [(src / "kernels.cpp").read_text()],
-                                     functions=list(names), extra_cflags=list(native.FLAGS), extra_ldflags=["-fopenmp"],
-                                     extra_include_paths=[str(src)])
-
-
-class Kernels:
-    """Which kernels module the next calls use (this tree's, or ``--base``'s): speculant asks
-    ``native.build`` for it at each call."""
-
-    def __init__(self, base_rev: str | None):
-        self.own, self.build = native.build(), native.build
-        self.base = base_kernels(base_rev) if base_rev else None
-
-    def use(self, base: bool) -> None:
-        module = self.base if base else self.own
-        native.build = (lambda isa=(): module) if base else self.build
 
 
 def eagle_in(drafter):

@@ -9,7 +9,9 @@ layout; and per prompt, with the float32 keys and values a step reads at the lat
 context) over this CPU's measured read bandwidth (a large array summed, best of 5). Saves JSON.
 
 ``--llama-cpp PATH``: import llama-cpp-python from PATH (a build of its own: e.g. AVX2 only, to
-compare the AVX2 class on an AVX-512 machine with ``SPECULANT_CPU_ISA=avx2``).
+compare the AVX2 class on an AVX-512 machine with ``SPECULANT_CPU_ISA=avx2``). ``--base REV``: a
+mode marked ``:base`` (``--modes q8,q8:base``) runs on the CPU kernels of git revision REV (a kernel
+change against the build before it, in one process).
 
     python scripts/plain_per_token.py --out benchmarks/results/NAME
 """
@@ -24,6 +26,7 @@ from pathlib import Path
 import torch
 
 import speculant
+from ab_common import Kernels
 from speculant.bench import peers
 from speculant.bench.machine import machine_info
 from speculant.bench.prompts import read_prompts
@@ -34,10 +37,17 @@ from speculant.models.loading import default_model_path, load_model
 SHORT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
-def ours(mode: str):
-    target = load_model("default", device="cpu", dtype=mode)
+def ours(mode: str, kernels: Kernels):
+    dtype, base = (mode[: -len(":base")], True) if mode.endswith(":base") else (mode, False)
+    kernels.use(base)  # the model binds its layers in the module it will run on
+    target = load_model("default", device="cpu", dtype=dtype)
     gen = speculant.Generator(target, make_drafter("none", target))
-    return lambda ids, n: gen.generate_ids([ids], max_new_tokens=n)[0].token_ids
+
+    def run(ids, n):
+        kernels.use(base)
+        return gen.generate_ids([ids], max_new_tokens=n)[0].token_ids
+
+    return run
 
 
 def peer(name: str):
@@ -92,19 +102,23 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--modes", default="q8,quantized")
     ap.add_argument("--llama-cpp", default=None, help="import llama-cpp-python from this folder first")
+    ap.add_argument("--base", help="a git revision whose CPU kernels the modes marked :base run on")
     a = ap.parse_args()
     if a.llama_cpp:
         sys.path.insert(0, a.llama_cpp)
     torch.set_num_threads(2)
     modes = a.modes.split(",")
+    if any(m.endswith(":base") for m in modes) and not a.base:
+        ap.error(":base modes need --base REV")
+    kernels = Kernels(a.base)
     fp32 = load_model("default", device="cpu", dtype="float32")
     tok, per_key = fp32.tokenizer, cache_bytes_per_key(fp32.model.config)
-    runtimes = {f"speculant {m}": ours(m) for m in modes}
+    runtimes = {f"speculant {m}": ours(m, kernels) for m in modes}
     runtimes |= {name: peer(name) for name in ("llama.cpp", "openvino") if name in peers.installed()}
     bandwidth = read_bandwidth_gbs()
-    results = {"machine": machine_info(), "kernels_isa": quantized.kernels().isa(), "threads": 2,
+    results = {"machine": machine_info(), "kernels_isa": quantized.kernels().isa(), "threads": 2, "base": a.base,
                "read_bandwidth_gb_s": round(bandwidth, 1), "prompts": {}}
-    weights = {m: step_bytes(m) for m in modes}
+    weights = {m: step_bytes(m.removesuffix(":base")) for m in modes}
     results["floor_ms_per_token"] = {m: round(weights[m] / bandwidth / 1e6, 2) for m in modes}  # the weights alone
     for pname, ids in prompts(tok).items():
         best = {name: {"first_token_ms": float("inf"), "total_ms": float("inf")} for name in runtimes}

@@ -194,15 +194,16 @@ struct Attender {
   }
 
   // heads j .. j + N - 1 of query u (zero weights pad heads past g): the probability-weighted values
-  // key after key (in registers where the head dim is NC native vectors), over the rows' sums. Each
-  // head's sum is its own, in the same order however many heads share the reads of the values.
-  template <int64_t NC, int N>
-  void weigh(const Task& t, int64_t u, int64_t j, const float* s, float* row) const {
-    const int64_t n = count[t.b * sh.T + t.t0 + u], D = sh.D, nc = NC ? NC : D / NATIVE;
+  // key after key, over the rows' sums; of the head dim, NV native vectors from vector c0 (in
+  // registers; NV = 0: all D, in memory). Each head's and each lane's sum is its own, in the same
+  // order however heads and lanes are shared out.
+  template <int64_t NV, int N>
+  void weigh(const Task& t, int64_t u, int64_t j, int64_t c0, const float* s, float* row) const {
+    const int64_t n = count[t.b * sh.T + t.t0 + u], D = sh.D, nv = NV ? NV : D / NATIVE;
     if (n <= 0) return;
     const float* w[N];
     for (int i = 0; i < N; ++i) w[i] = j + i < g ? s + (u * g + j + i) * t.L16 : nullptr;
-    vn acc[N][NC ? NC : MAX_D / NATIVE] = {};
+    vn acc[N][NV ? NV : MAX_D / NATIVE] = {};
     for (int64_t x = 0; x < n; ++x) {
       const int64_t slot = slot_of(t, u, x);
       const float* val = t.values + x * t.values_stride;
@@ -214,16 +215,16 @@ struct Attender {
       float p[N];
       for (int i = 0; i < N; ++i) p[i] = w[i] ? w[i][x] : 0.f;
 #pragma GCC unroll 32
-      for (int64_t c = 0; c < (NC ? NC : nc); ++c) {
-        const vn vc = vload<vn>(val + c * NATIVE);
+      for (int64_t c = 0; c < (NV ? NV : nv); ++c) {
+        const vn vc = vload<vn>(val + (c0 + c) * NATIVE);
 #pragma GCC unroll 4
         for (int i = 0; i < N; ++i) acc[i][c] += p[i] * vc;
       }
     }
     for (int64_t i = 0; i < N && j + i < g; ++i)
-      for (int64_t c = 0; c < nc; ++c)
+      for (int64_t c = 0; c < nv; ++c)
         for (int64_t lane = 0; lane < NATIVE; ++lane)
-          out.at(t.b, t.h * g + j + i, t.t0 + u, c * NATIVE + lane) =
+          out.at(t.b, t.h * g + j + i, t.t0 + u, (c0 + c) * NATIVE + lane) =
               from_float<T>(acc[i][c][lane] / t.total[u * g + j + i]);
   }
 
@@ -234,15 +235,19 @@ struct Attender {
     return g % 3 == 0 && sh.D == 64 && 3 * (64 / NATIVE) <= 16 ? 3 : 2;
   }
 
-  void weigh_heads(const Task& t, int64_t u, int64_t j, const float* s, float* row) const {
-    if (heads_at_once() == 3 && sh.D == 64)
-      weigh<64 / NATIVE, 3>(t, u, j, s, row);
+  // heads j.. (heads_at_once of them) of query u; where three, half 0 or 1 of the head dim alone
+  // (-1: all of it)
+  void weigh_heads(const Task& t, int64_t u, int64_t j, int64_t half, const float* s, float* row) const {
+    if (heads_at_once() == 3 && half >= 0)
+      weigh<32 / NATIVE, 3>(t, u, j, half * (32 / NATIVE), s, row);
+    else if (heads_at_once() == 3)
+      weigh<64 / NATIVE, 3>(t, u, j, 0, s, row);
     else if (sh.D == 64)
-      weigh<64 / NATIVE, 2>(t, u, j, s, row);
+      weigh<64 / NATIVE, 2>(t, u, j, 0, s, row);
     else if (sh.D == 128)
-      weigh<128 / NATIVE, 2>(t, u, j, s, row);
+      weigh<128 / NATIVE, 2>(t, u, j, 0, s, row);
     else
-      weigh<0, 2>(t, u, j, s, row);
+      weigh<0, 2>(t, u, j, 0, s, row);
   }
 };
 
@@ -283,12 +288,17 @@ void attend(const AttentionShape& sh, Strided4<const T> q, Strided4<const T> k, 
       for (int64_t item = begin; item < end; ++item)
         at.softmax(ts[item / R], item % R / g, item % R % g, scores[item / R].data());
     });
-    const int64_t per = at.heads_at_once(), calls = (g + per - 1) / per;
-    parallel(tasks * T_ * calls, 1, [&](int64_t begin, int64_t end) {  // the weighted values, 2 or 3 heads at a time
+    // the weighted values, 2 or 3 heads at a time; threes by halves of the head dim (a step's three
+    // kv heads on 2 threads: a head and a half each, not two and one), a thread's two halves of one
+    // call taken as one call
+    const int64_t per = at.heads_at_once(), calls = (g + per - 1) / per, halves = per == 3 ? 2 : 1;
+    parallel(tasks * T_ * calls * halves, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> row(D);
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t task = item / (T_ * calls), u = item / calls % T_;
-        at.weigh_heads(ts[task], u, per * (item % calls), scores[task].data(), row.data());
+      for (int64_t unit = begin; unit < end; ++unit) {
+        const int64_t item = unit / halves, task = item / (T_ * calls), u = item / calls % T_;
+        const bool whole = halves == 1 || (unit % 2 == 0 && unit + 1 < end);
+        at.weigh_heads(ts[task], u, per * (item % calls), whole ? -1 : unit % 2, scores[task].data(), row.data());
+        unit += whole && halves == 2;
       }
     });
     return;
@@ -304,7 +314,7 @@ void attend(const AttentionShape& sh, Strided4<const T> q, Strided4<const T> k, 
       for (int64_t x0 = 0; x0 < t.L16; x0 += LANES) at.score_block(t, x0, s.data(), w);
       for (int64_t u = 0; u < t.tn; ++u) {
         for (int64_t j = 0; j < g; ++j) at.softmax(t, u, j, s.data());
-        for (int64_t j = 0; j < g; j += at.heads_at_once()) at.weigh_heads(t, u, j, s.data(), row.data());
+        for (int64_t j = 0; j < g; j += at.heads_at_once()) at.weigh_heads(t, u, j, -1, s.data(), row.data());
       }
     }
   });

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -82,6 +83,15 @@ std::vector<uint8_t> random_q8_packed(Random& rng, int64_t N, int64_t K, int bit
   return p;
 }
 
+// a loop's items in two chunks (as two threads take them) and one by one, run in turn
+void halves_for(int64_t n, int64_t, const std::function<void(int64_t, int64_t)>& body) {
+  if (n > 0) body(0, (n + 1) / 2);
+  if (n > 1) body((n + 1) / 2, n);
+}
+void ones_for(int64_t n, int64_t, const std::function<void(int64_t, int64_t)>& body) {
+  for (int64_t i = 0; i < n; ++i) body(i, i + 1);
+}
+
 void check_rows(const std::string& name, const std::vector<float>& block, const std::vector<float>& alone) {
   if (block != alone) {
     std::printf("FAIL %s: a row's bits depend on the block\n", name.c_str());
@@ -133,11 +143,22 @@ void attention(Random& rng, const char* type, bool long_context, int64_t H = 4, 
   const spk::Strided4<const T> qs{q.data(), H * T_ * D, T_ * D, D, 1}, ks{k.data(), Hkv * S * D, S * D, D, 1},
       vs{v.data(), Hkv * S * D, S * D, D, 1};
   const spk::Strided4<T> os{out.data(), H * T_ * D, T_ * D, D, 1};
-  spk::attend<T>(sh, qs, ks, vs, nullptr, count.data(), 0.125f, os, spk::serial_for);
   const std::string name = std::string(long_context ? "long " : "") + type + (H == 4 ? "" : " 3 heads a kv head");
-  report("attention chain " + name, out);
-  spk::attend<T>(sh, qs, ks, vs, slots.data(), count.data(), 0.125f, os, spk::serial_for);
-  report("attention tree " + name, out);
+  for (const bool tree : {false, true}) {
+    const int64_t* sl = tree ? slots.data() : nullptr;
+    spk::attend<T>(sh, qs, ks, vs, sl, count.data(), 0.125f, os, spk::serial_for);
+    report(std::string("attention ") + (tree ? "tree " : "chain ") + name, out);
+    // the loops cut as threads would take them (a call's items in one chunk, in two, one by one)
+    for (const spk::ParallelFor& split : {spk::ParallelFor(halves_for), spk::ParallelFor(ones_for)}) {
+      std::vector<T> again(out.size());
+      const spk::Strided4<T> as{again.data(), H * T_ * D, T_ * D, D, 1};
+      spk::attend<T>(sh, qs, ks, vs, sl, count.data(), 0.125f, as, split);
+      if (std::memcmp(again.data(), out.data(), out.size() * sizeof(T)) != 0) {
+        std::printf("FAIL attention %s: the split of its loops changes its bits\n", name.c_str());
+        ++failures;
+      }
+    }
+  }
 }
 
 void layers(Random& rng) {
