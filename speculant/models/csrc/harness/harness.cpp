@@ -3,7 +3,8 @@
 // inputs of its own making (a fixed generator: the same inputs on every machine) and prints one
 // line per case, "<case> <hash of the output's bytes>": builds for different ISAs must print the
 // same lines. It also checks width invariance itself (a row alone against the row in any block)
-// and prints "FAIL ..." where it breaks.
+// and that attention's bits do not depend on how its loops are cut over threads, and prints
+// "FAIL ..." where either breaks.
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
