@@ -61,29 +61,6 @@ def tree_depth(parents: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return torch.tensor(most, dtype=torch.long, device=parents.device)
 
 
-def _ancestor_index(parent_rows: list[list[int]]) -> tuple[list[int], list[int], list[int]]:
-    """(row, node, ancestor-or-self) index lists of every row's ancestry."""
-    rows, nodes, seen = [], [], []
-    for b, row in enumerate(parent_rows):
-        for i, chain in enumerate(_ancestry_of(row)):
-            rows += [b] * len(chain)
-            nodes += [i] * len(chain)
-            seen += chain
-    return rows, nodes, seen
-
-
-def ancestors(parents: torch.Tensor) -> torch.Tensor:
-    """[B, N, N] bool: entry (b, i, j) is True when node j is node i or one of its ancestors."""
-    B, N = parents.shape
-    anc = torch.zeros(B, N, N, dtype=torch.bool, device=parents.device)
-    anc[_index(_ancestor_index(parents.tolist()), parents.device)] = True
-    return anc
-
-
-def _index(lists, device) -> tuple[torch.Tensor, ...]:
-    return tuple(torch.tensor(x, dtype=torch.long, device=device) for x in lists)
-
-
 def block_layout(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """For the verify block [root, node 0, ..., node N-1]: position offsets [B, N+1] (root 0,
     node i its depth) and visibility [B, N+1, N+1] (query t sees block slot s)."""
@@ -93,8 +70,13 @@ def block_layout(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                            device=parents.device).view(B, N + 1)
     vis = torch.zeros(B, N + 1, N + 1, dtype=torch.bool, device=parents.device)
     vis[:, :, 0] = True
-    rows, nodes, seen = _ancestor_index(parent_rows)
-    vis[_index((rows, [i + 1 for i in nodes], [j + 1 for j in seen]), parents.device)] = True
+    rows, nodes, seen = [], [], []
+    for b, row in enumerate(parent_rows):  # node i (block slot i + 1) sees itself and its ancestors
+        for i, chain in enumerate(_ancestry_of(row)):
+            rows += [b] * len(chain)
+            nodes += [i + 1] * len(chain)
+            seen += [j + 1 for j in chain]
+    vis[tuple(torch.tensor(x, dtype=torch.long, device=parents.device) for x in (rows, nodes, seen))] = True
     return offsets, vis
 
 

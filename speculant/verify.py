@@ -120,7 +120,7 @@ def tree_greedy_verify(target_choice: torch.Tensor, tokens: torch.Tensor, parent
     Returns (n_accepted [B], next_token [B], path [B, N]: the accepted nodes in order, -1 after).
     (A walk of a few nodes a row, in Python lists: a loop of tensor ops a depth cost ~35 us a depth.)"""
     B, N = tokens.shape
-    paths, nexts = [], []
+    paths, counts, nexts = [], [], []
     for choice, toks, pars, n in zip(target_choice.tolist(), tokens.tolist(), parents.tolist(), lengths.tolist()):
         node, path = -1, []
         for _ in range(N):  # at most N deep (a malformed tree's cycle ends too)
@@ -131,11 +131,12 @@ def tree_greedy_verify(target_choice: torch.Tensor, tokens: torch.Tensor, parent
             node = child
             path.append(child)
         paths.append(path + [-1] * (N - len(path)))
+        counts.append(len(path))
         nexts.append(choice[node + 1])
     dev = tokens.device
     path = torch.tensor(paths, dtype=torch.long, device=dev).view(B, N)
-    return (torch.tensor([N - row.count(-1) for row in paths], dtype=torch.long, device=dev),
-            torch.tensor(nexts, dtype=target_choice.dtype, device=dev), path)
+    return (torch.tensor(counts, dtype=torch.long, device=dev), torch.tensor(nexts, dtype=target_choice.dtype, device=dev),
+            path)
 
 
 def sibling_step(r: torch.Tensor, x: torch.Tensor, q: torch.Tensor):
