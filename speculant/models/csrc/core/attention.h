@@ -25,6 +25,9 @@ namespace spk {
 // long as their scores stay within SCORES_HELD floats. Which queries share a task changes no bits.
 constexpr int64_t QUERIES = 8, QUERIES_LONG = 64, SCORES_HELD = int64_t(1) << 22;
 constexpr int64_t MAX_D = 256;  // head dims up to this, in whole vectors
+// the weighted values ask for the value row this many keys on (its half, where by halves): a thread
+// otherwise waits on each row (8 and 16 alike, 3-5 % of the attention at 1.5k keys, a 2-core Zen 3)
+constexpr int64_t VALUES_AHEAD = 16;
 
 template <typename T>
 struct Strided4 {  // a [B, H, T, D] tensor's data and strides (elements)
@@ -212,6 +215,9 @@ struct Attender {
         for (int64_t d = 0; d < D; ++d) row[d] = to_float(src[d]);
         val = row;
       }
+      if (x + VALUES_AHEAD < t.L)
+        for (int64_t b = 0; b < (NV ? NV : nv) * NATIVE; b += 16)
+          __builtin_prefetch(t.values + (x + VALUES_AHEAD) * t.values_stride + c0 * NATIVE + b, 0, 0);
       float p[N];
       for (int i = 0; i < N; ++i) p[i] = w[i] ? w[i][x] : 0.f;
 #pragma GCC unroll 32
@@ -228,26 +234,33 @@ struct Attender {
               from_float<T>(acc[i][c][lane] / t.total[u * g + j + i]);
   }
 
-  // heads a call of weigh_heads takes: three where the query heads of a kv head come in threes and
-  // their accumulators fit in half the registers (AVX-512 at D = 64: the values read once for
-  // SmolLM2's 3 query heads, not twice as by pairs), else two
-  int64_t heads_at_once() const {
-    return g % 3 == 0 && sh.D == 64 && 3 * (64 / NATIVE) <= 16 ? 3 : 2;
-  }
+  // heads a call of weigh_heads takes: three where the query heads of a kv head come in threes at
+  // head dim 64 and three heads' accumulators for half of it fit in 12 registers (AVX-512, AVX2: the
+  // values read once for SmolLM2's 3 query heads, not twice as by pairs, and no zero-weight fourth
+  // head), else two
+  int64_t heads_at_once() const { return g % 3 == 0 && sh.D == 64 && NATIVE >= 8 ? 3 : 2; }
 
   // heads j.. (heads_at_once of them) of query u; where three, half 0 or 1 of the head dim alone
-  // (-1: all of it)
+  // (-1: all of it, in one pass where the whole head dim's accumulators fit in half the registers,
+  // as on AVX-512, else half after half: AVX2's 16 registers)
   void weigh_heads(const Task& t, int64_t u, int64_t j, int64_t half, const float* s, float* row) const {
-    if (heads_at_once() == 3 && half >= 0)
-      weigh<32 / NATIVE, 3>(t, u, j, half * (32 / NATIVE), s, row);
-    else if (heads_at_once() == 3)
-      weigh<64 / NATIVE, 3>(t, u, j, 0, s, row);
-    else if (sh.D == 64)
+    constexpr int64_t HALF = 32 / NATIVE;
+    if (heads_at_once() == 3 && half >= 0) {
+      weigh<HALF, 3>(t, u, j, half * HALF, s, row);
+    } else if (heads_at_once() == 3) {
+      if constexpr (3 * 2 * HALF <= 16) {
+        weigh<2 * HALF, 3>(t, u, j, 0, s, row);
+      } else {
+        weigh<HALF, 3>(t, u, j, 0, s, row);
+        weigh<HALF, 3>(t, u, j, HALF, s, row);
+      }
+    } else if (sh.D == 64) {
       weigh<64 / NATIVE, 2>(t, u, j, 0, s, row);
-    else if (sh.D == 128)
+    } else if (sh.D == 128) {
       weigh<128 / NATIVE, 2>(t, u, j, 0, s, row);
-    else
+    } else {
       weigh<0, 2>(t, u, j, 0, s, row);
+    }
   }
 };
 
