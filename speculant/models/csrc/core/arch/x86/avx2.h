@@ -118,6 +118,6 @@ inline void dot_rows(const uint8_t* codes, const int8_t* const* x, const int32_t
   for (int r = 0; r < R; ++r) out[r] = {acc[r][0], acc[r][1]};
 }
 
-constexpr int Q8_ROWS = 2;
+constexpr int Q8_ROWS = 4;
 
 }  // namespace spk
