@@ -264,6 +264,24 @@ def test_default_gguf_is_read_exactly(quantized_default):
     assert shipped_drafter(quantized_default).endswith("+ngram") and default_drafter(quantized_default) == "ngram"
 
 
+def test_gguf_tensors_are_ggufs_own_readers():
+    """The tensor table read without making the metadata Python objects (gguf's reader takes seconds
+    over a tokenizer's strings) gives each tensor's name, type, dims and bytes as gguf's reader does."""
+    import gguf
+
+    from speculant.models.loading import default_model_path, gguf_tensors
+
+    path = default_model_path()
+    ours, theirs = gguf_tensors(path), gguf.GGUFReader(str(path)).tensors
+    assert [t.name for t in ours] == [t.name for t in theirs] and len(ours) == 272
+    for a, b in zip(ours, theirs):
+        assert (a.kind, a.dims) == (b.tensor_type.name, [int(d) for d in b.shape]), a.name
+        raw = np.asarray(b.data)
+        assert np.array_equal(a.data.reshape(-1), raw.view(np.uint8).reshape(-1)), a.name
+        if a.kind.startswith("Q"):
+            assert a.data.shape == raw.shape, a.name  # [rows, bytes a row], as from_gguf_blocks takes it
+
+
 PROMPTS = ["Write a haiku about rivers", "What is 17 times 23? Explain step by step.",
            "Translate to French: The cat sleeps on the warm windowsill."]
 

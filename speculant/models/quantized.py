@@ -319,17 +319,17 @@ def read(model: torch.nn.Module, path: Path | None = None) -> dict[str, QuantWei
     """The quantized weights of ``model``'s linear layers from its GGUF, by module name
     ("model.layers.0.self_attn.q_proj", "lm_head"): only those whose dequantised values equal the
     model's own weights bit for bit (the model must be float32). Empty where the model has no GGUF."""
-    import gguf  # a dependency already (transformers reads GGUF files with it)
+    from .loading import gguf_tensors
 
     path = path or gguf_source(model)
     if path is None or not path.is_file():
         return {}
     modules = dict(model.named_modules())
     out: dict[str, QuantWeight] = {}
-    reader = gguf.GGUFReader(str(path))
-    tied = not any(t.name == "output.weight" for t in reader.tensors)
-    for t in reader.tensors:
-        kind = t.tensor_type.name
+    tensors = gguf_tensors(path)
+    tied = not any(t.name == "output.weight" for t in tensors)
+    for t in tensors:
+        kind = t.kind
         base = t.name.removesuffix(".weight")
         if kind not in FORMATS or not t.name.endswith(".weight"):
             continue
@@ -346,7 +346,7 @@ def read(model: torch.nn.Module, path: Path | None = None) -> dict[str, QuantWei
         dense = getattr(module, "weight", None)
         if dense is None or dense.dtype != torch.float32 or dense.dim() != 2:
             continue
-        w = from_gguf_blocks(kind, np.asarray(t.data), int(t.shape[0]))
+        w = from_gguf_blocks(kind, np.asarray(t.data), int(t.dims[0]))
         if w.shape != tuple(dense.shape):
             continue
         for order in _head_orders(w.shape[0], model.config) if ".q_proj" in name or ".k_proj" in name else [None]:
