@@ -269,7 +269,8 @@ def test_gguf_tensors_are_ggufs_own_readers():
     over a tokenizer's strings) gives each tensor's name, type, dims and bytes as gguf's reader does."""
     import gguf
 
-    from speculant.models.loading import default_model_path, gguf_tensors
+    from speculant.models.gguf_file import gguf_tensors
+    from speculant.models.loading import default_model_path
 
     path = default_model_path()
     ours, theirs = gguf_tensors(path), gguf.GGUFReader(str(path)).tensors

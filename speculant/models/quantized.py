@@ -319,7 +319,7 @@ def read(model: torch.nn.Module, path: Path | None = None) -> dict[str, QuantWei
     """The quantized weights of ``model``'s linear layers from its GGUF, by module name
     ("model.layers.0.self_attn.q_proj", "lm_head"): only those whose dequantised values equal the
     model's own weights bit for bit (the model must be float32). Empty where the model has no GGUF."""
-    from .loading import gguf_tensors
+    from .gguf_file import gguf_tensors
 
     path = path or gguf_source(model)
     if path is None or not path.is_file():
