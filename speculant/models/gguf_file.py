@@ -3,6 +3,7 @@ value a numpy object first (a tokenizer's ~100k strings: seconds), where steppin
 milliseconds. ``loading.check_gguf`` checks a file whole with it, ``quantized.read`` maps the tensors."""
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,10 +80,7 @@ def _gguf_table(r: GGUFTable, bad) -> tuple[int, list[tuple[str, list[int], int,
 
 def _gguf_bytes(dims: list[int], kind: int, quant_sizes) -> int:
     block, nbytes = quant_sizes[kind]
-    count = 1
-    for d in dims:
-        count *= d
-    return count // block * nbytes
+    return math.prod(dims) // block * nbytes
 
 
 def gguf_data_span(r: GGUFTable, bad, quant_sizes) -> tuple[int, list[int]]:
@@ -101,8 +99,8 @@ class GGUFTensor:
 
 def gguf_tensors(path: Path) -> list[GGUFTensor]:
     """A GGUF file's tensors as views of the file, read from its table alone: gguf's own reader
-    makes every metadata value a numpy object first (a tokenizer's ~100k strings: ~3-5 s of a
-    start on a 2-core Zen 3), where stepping over them takes milliseconds. Types gguf does not know
+    makes every metadata value a numpy object first (a tokenizer's ~100k strings: 2.8 s for the
+    default GGUF, 12.3 s for gemma3-270m's on a 2-core Zen 3), where stepping over them takes milliseconds. Types gguf does not know
     are left out."""
     import mmap
 
@@ -124,6 +122,6 @@ def gguf_tensors(path: Path) -> list[GGUFTensor]:
             nbytes = _gguf_bytes(dims, kind, GGML_QUANT_SIZES)
         except (ValueError, KeyError):
             continue
-        rows = max(1, nbytes // max(1, _gguf_bytes(dims[:1], kind, GGML_QUANT_SIZES)))
+        rows = math.prod(dims[1:])  # a row is dims[0] values
         out.append(GGUFTensor(name, kind_name, dims, data[start + offset : start + offset + nbytes].reshape(rows, -1)))
     return out
