@@ -10,7 +10,7 @@ a token's logits are exactly those plain decoding in that mode computes. Convers
 from the end of the ShareGPT file (after the first 10,000 of its 11,139 that start with a user turn; the
 shipped EAGLE head trained on its first ones). Saves JSON.
 
-    python scripts/mode_fidelity.py --out benchmarks/results/NAME
+    python scripts/mode_fidelity.py --out benchmarks/results/NAME [--modes q8]
 """
 from __future__ import annotations
 
@@ -65,14 +65,18 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--texts", type=int, default=40)
     ap.add_argument("--max-tokens", type=int, default=512)
+    ap.add_argument("--modes", default=",".join(MODES), help="float32 (the reference) always runs")
     a = ap.parse_args()
+    modes = ["float32"] + [m for m in a.modes.split(",") if m != "float32"]
+    if unknown := set(modes) - set(MODES):
+        ap.error(f"--modes: unknown {sorted(unknown)} (of {', '.join(MODES)})")
     torch.set_num_threads(2)
     tok = load_model("default", device="cpu", dtype="float32").tokenizer
     texts = held_texts(tok, a.texts, 10_000, a.max_tokens)
     results = {"model": "SmolLM2-135M-Instruct Q4_1 GGUF", "texts": len(texts),
                "scored_tokens": sum(len(i) - s for i, s in texts), "modes": {}}
     top1 = {}
-    for mode in MODES:
+    for mode in modes:
         lm = load_model("default", device="cpu", dtype=mode)
         t, nll, count, picks = time.perf_counter(), 0.0, 0, []
         for ids, start in texts:

@@ -5,13 +5,15 @@ same prompt token ids and thread count, one process: a short chat prompt and a ~
 For each runtime and prompt: the time to the first token (the prefill and the first token) and the
 mean time of each later token, best of ``--rounds`` runs in a rotated order; and the floor of a
 one-token step: the bytes a step streams (the quantized blocks, float32 for speculant's packed
-layout; and per prompt, with the float32 keys and values a step reads at the later tokens' mean
-context) over this CPU's measured read bandwidth (a large array summed, best of 5). Saves JSON.
+layout; and per prompt, with the keys and values a step reads at the later tokens' mean context:
+float16 in q8, float32 in quantized) over this CPU's measured read bandwidth (a large array summed,
+best of 5). Saves JSON.
 
 ``--llama-cpp PATH``: import llama-cpp-python from PATH (a build of its own: e.g. AVX2 only, to
 compare the AVX2 class on an AVX-512 machine with ``SPECULANT_CPU_ISA=avx2``). ``--base REV``: a
 mode marked ``:base`` (``--modes q8,q8:base``) runs on the CPU kernels of git revision REV (a kernel
-change against the build before it, in one process).
+change against the build before it, in one process; with a float32 cache, which kernels before q8's
+float16 cache read only). ``q8:float32-cache``: q8 with a float32 cache (the kernels take either).
 
     python scripts/plain_per_token.py --out benchmarks/results/NAME
 """
@@ -38,16 +40,21 @@ SHORT = "Write a short story about a lighthouse keeper who finds a message in a 
 
 
 def ours(mode: str, kernels: Kernels):
-    dtype, base = (mode[: -len(":base")], True) if mode.endswith(":base") else (mode, False)
+    """(a runner, the bytes of one cached key or value element) for a mode: DTYPE[:base][:float32-cache]"""
+    dtype, *options = mode.split(":")
+    base = "base" in options
     kernels.use(base)  # the model binds its layers in the module it will run on
     target = load_model("default", device="cpu", dtype=dtype)
     gen = speculant.Generator(target, make_drafter("none", target))
+    fast = gen.backend.fast
+    if base or "float32-cache" in options:
+        fast.cache_dtype = torch.float32
 
     def run(ids, n):
         kernels.use(base)
         return gen.generate_ids([ids], max_new_tokens=n)[0].token_ids
 
-    return run
+    return run, fast.cache_dtype.itemsize
 
 
 def peer(name: str):
@@ -75,11 +82,11 @@ def step_bytes(mode: str) -> int:
     return sum(int(lin.args[0].numel()) for lin in heads)
 
 
-def cache_bytes_per_key(config) -> int:
-    """Bytes of float32 keys and values one cached token holds over every layer: a step at context c
-    reads c of them (the floor counts them too: at 1.5k tokens they outweigh the weights)."""
+def cache_bytes_per_key(config, element: int) -> int:
+    """Bytes of keys and values (``element`` bytes each) one cached token holds over every layer: a
+    step at context c reads c of them (the floor counts them too: at 1.5k tokens they outweigh the weights)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 4
+    return config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * element
 
 
 def prompts(tokenizer) -> dict[str, list[int]]:
@@ -108,17 +115,19 @@ def main() -> None:
         sys.path.insert(0, a.llama_cpp)
     torch.set_num_threads(2)
     modes = a.modes.split(",")
-    if any(m.endswith(":base") for m in modes) and not a.base:
+    if any("base" in m.split(":")[1:] for m in modes) and not a.base:
         ap.error(":base modes need --base REV")
     kernels = Kernels(a.base)
     fp32 = load_model("default", device="cpu", dtype="float32")
-    tok, per_key = fp32.tokenizer, cache_bytes_per_key(fp32.model.config)
-    runtimes = {f"speculant {m}": ours(m, kernels) for m in modes}
+    tok = fp32.tokenizer
+    built = {m: ours(m, kernels) for m in modes}
+    runtimes = {f"speculant {m}": run for m, (run, _) in built.items()}
+    per_key = {m: cache_bytes_per_key(fp32.model.config, element) for m, (_, element) in built.items()}
     runtimes |= {name: peer(name) for name in ("llama.cpp", "openvino") if name in peers.installed()}
     bandwidth = read_bandwidth_gbs()
     results = {"machine": machine_info(), "kernels_isa": quantized.kernels().isa(), "threads": 2, "base": a.base,
                "read_bandwidth_gb_s": round(bandwidth, 1), "prompts": {}}
-    weights = {m: step_bytes(m.removesuffix(":base")) for m in modes}
+    weights = {m: step_bytes(m.split(":")[0]) for m in modes}
     results["floor_ms_per_token"] = {m: round(weights[m] / bandwidth / 1e6, 2) for m in modes}  # the weights alone
     for pname, ids in prompts(tok).items():
         best = {name: {"first_token_ms": float("inf"), "total_ms": float("inf")} for name in runtimes}
@@ -145,7 +154,7 @@ def main() -> None:
             print(f"{pname:5s} {name:24s} first token {b['first_token_ms']:7.1f} ms   then {per:6.2f} ms/token")
         # the floor of this prompt's later tokens: the weights and the cache at their mean context
         mean_context = len(ids) + a.tokens / 2
-        floor = {m: round((weights[m] + per_key * mean_context) / bandwidth / 1e6, 2) for m in modes}
+        floor = {m: round((weights[m] + per_key[m] * mean_context) / bandwidth / 1e6, 2) for m in modes}
         print(f"{pname:5s} floor with the cache at {mean_context:.0f} tokens (ms/token): {floor}")
         results["prompts"][pname] = {"prompt_tokens": len(ids), "runtimes": rows, "floor_ms_per_token": floor}
     print("floor of the weights alone (ms/token):", results["floor_ms_per_token"], f"at {bandwidth:.1f} GB/s")

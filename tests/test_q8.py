@@ -9,6 +9,8 @@ order.
 - A decoder layer over int8 linears is width-invariant.
 - On a tiny quantized Llama in q8, every drafter gives plain q8 decoding's text (γ 1, 4, auto; alone
   and batched), and every prompt's prefill runs the same kernels as the steps after it.
+- q8's KV cache is float16: written as float32's rounded to halves, and attended over with the bits
+  of those values widened to float32.
 """
 import functools
 
@@ -220,13 +222,14 @@ def test_tiny_q8_speculative_equals_plain_with_every_drafter(tmp_path, kind):
 
 
 @needs_kernel
-def test_every_prompt_prefills_through_the_int8_kernels():
+@pytest.mark.parametrize("extra", [5, 300])  # 300: a block whose attention widens the float16 values once
+def test_every_prompt_prefills_through_the_int8_kernels(extra):
     """In q8 a prompt of any length runs the passes' kernels: its logits and cache are those of
     feeding it one token at a time (the mode is int8 arithmetic throughout)."""
     from speculant.models import fast as fast_module
 
     fast = fast_module.FastLlama(_q8_tiny(seed=4))
-    n = fast_module.QUANTIZED_PREFILL_MAX + 5
+    n = fast_module.QUANTIZED_PREFILL_MAX + extra
     toks = torch.randint(0, 96, (1, n), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         keys, values = fast.new_cache(1, n + 4)
@@ -236,6 +239,48 @@ def test_every_prompt_prefills_through_the_int8_kernels():
                            for i in range(n)], 1)
     assert torch.equal(block, steps)
     assert all(torch.equal(a, b) for a, b in zip(keys + values, k1 + v1))
+
+
+@needs_kernel
+def test_q8_keeps_its_cache_in_float16():
+    """q8's cache is float16 (half the bytes a long context's attention reads): the keys and values
+    its first layer writes are those a float32 cache of the same model holds, rounded to halves, and
+    the state's size counts two bytes a value."""
+    from speculant.models.backend import Backend, kv_bytes
+    from speculant.models.fast import FastLlama
+
+    model = _q8_tiny(seed=4)
+    fast, wide = FastLlama(model), FastLlama(model)
+    wide.cache_dtype = torch.float32  # the kernels take either cache
+    toks = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        caches = [f.new_cache(1, 48) for f in (fast, wide)]
+        logits = [f.prefill(toks, *c) for f, c in zip((fast, wide), caches)]
+    (keys, values), (keys32, values32) = caches
+    assert keys[0].dtype == values[0].dtype == torch.float16 and keys32[0].dtype == torch.float32
+    assert torch.equal(keys[0], keys32[0].half()) and torch.equal(values[0], values32[0].half())
+    assert not torch.equal(logits[0], logits[1])  # the rounding reaches the logits: this is q8's own text
+    assert Backend(model).state_bytes(2, 256) == kv_bytes(model, 2, 256, element=2) == kv_bytes(model, 2, 256) // 2
+
+
+@needs_kernel
+@pytest.mark.parametrize("queries,tree", [(1, False), (5, True), (300, False)])
+def test_attention_over_a_float16_cache_is_over_its_values_widened(queries, tree):
+    """The kernel's attention of float32 queries over float16 keys and values gives the bits of the
+    same values widened to float32 (every half is a float), for a step, a tree's block and a prompt's."""
+    from speculant.models.cpu_attention import attend
+
+    g = torch.Generator().manual_seed(queries)
+    B, H, Hkv, D, S = 2, 9, 3, 64, queries + 40
+    q = torch.randn(B, H, queries, D, generator=g)
+    k, v = (torch.randn(B, Hkv, S, D, generator=g).half() for _ in range(2))
+    count = (torch.arange(queries) + 30)[None].repeat(B, 1) + torch.arange(B)[:, None]
+    slots = None
+    if tree:  # each query's keys gathered from anywhere in the cache
+        slots = torch.stack([torch.randperm(S, generator=g)[None].repeat(queries, 1) for _ in range(B)])
+    got = attend(q, k, v, slots, count, 0.125)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, attend(q, k.float(), v.float(), slots, count, 0.125))
 
 
 def test_q8_needs_a_gguf_on_the_cpu(tmp_path):

@@ -27,9 +27,10 @@ def use_persistent_compile_cache() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
 
 
-def kv_bytes(model: torch.nn.Module, batch: int, tokens: int) -> int:
+def kv_bytes(model: torch.nn.Module, batch: int, tokens: int, element: int | None = None) -> int:
     """About the bytes a KV cache of ``batch`` rows of ``tokens`` tokens takes for a HF-configured
-    causal LM: keys and values of every layer (0 where the model names no shapes)."""
+    causal LM: keys and values of every layer (0 where the model names no shapes), ``element``
+    bytes a value (default: the model's parameters')."""
     cfg = getattr(model, "config", None)
     cfg = getattr(cfg, "text_config", cfg)
     heads = getattr(cfg, "num_attention_heads", None)
@@ -37,7 +38,7 @@ def kv_bytes(model: torch.nn.Module, batch: int, tokens: int) -> int:
         return 0
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    element = next(model.parameters()).element_size()
+    element = element or next(model.parameters()).element_size()
     return 2 * cfg.num_hidden_layers * batch * kv_heads * tokens * head_dim * element
 
 
@@ -122,7 +123,9 @@ class Backend:
 
     def state_bytes(self, batch: int, max_tokens: int) -> int:
         """About the bytes ``new_state(batch, max_tokens)`` takes."""
-        return kv_bytes(self.model, batch, -(-max_tokens // 256) * 256 if self.fast is not None else max_tokens)
+        if self.fast is None:
+            return kv_bytes(self.model, batch, max_tokens)
+        return kv_bytes(self.model, batch, -(-max_tokens // 256) * 256, self.fast.cache_dtype.itemsize)
 
     def prefill_bytes(self, tokens: int) -> int:
         """About the bytes a prompt of ``tokens`` tokens takes while it is prefilled (prompts are

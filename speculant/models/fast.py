@@ -151,14 +151,18 @@ _NO_SLOTS = torch.empty(0, 0, 0, dtype=torch.long)
 QUANTIZED_PREFILL_MAX = 128
 
 
+def _kernel_attention(attention: invariant.Attention) -> bool:
+    """Whether chains and trees alike attend through the compiled CPU kernel."""
+    return {getattr(attention, "chain", ("",))[0], getattr(attention, "tree", ("",))[0]} == {"kernel"}
+
+
 class PassAttention:
     """A pass's attention, ``attend(q, keys, values)``; ``kernel``: it is the compiled CPU kernel,
     which a quantized layer calls itself with ``layout`` and ``scaling`` (the layer in one call)."""
 
     def __init__(self, attention: invariant.Attention, layout: KeyLayout, scaling: float):
         self.attention, self.layout, self.scaling = attention, layout, scaling
-        modes = {getattr(attention, "chain", ("",))[0], getattr(attention, "tree", ("",))[0]}
-        self.kernel = modes == {"kernel"}
+        self.kernel = _kernel_attention(attention)
 
     def __call__(self, q, keys, values):
         return self.attention(q, keys, values, self.layout, self.scaling)
@@ -343,6 +347,11 @@ class FastLlama:
         # every pass but the prefill (one-token steps, verify blocks, trees, batches) runs one kernel set
         self.pass_set = choose_kernels(self, plain, compile, kernels, quantized.weights_of(hf_model))
         self.kernels, self.attention, self.invariance = self.pass_set.name, self.pass_set.attention, self.pass_set.invariance
+        # q8 keeps its cache in float16 where its kernels attend (llama.cpp's default too): a long
+        # context's attention streams half the bytes; keys and values are rounded once as they are
+        # written and read back exactly, so every row still gets the same bits at any width
+        on_kernels = self.int8 and self.pass_set.layer_fn is quantized_layer and _kernel_attention(self.attention)
+        self.cache_dtype = torch.float16 if on_kernels else self.dtype
         self._proven = None
         # the prefill runs HF's own F.linear calls and SDPA's causal kernel over each prompt alone, so
         # plain decoding starts from the very cache HF's does, whatever else shares the batch (over
@@ -351,8 +360,8 @@ class FastLlama:
 
     def new_cache(self, batch: int, size: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         shape = (batch, self.n_kv, size, self.head_dim)
-        keys = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self.n_layers)]
-        values = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self.n_layers)]
+        keys = [torch.zeros(shape, device=self.device, dtype=self.cache_dtype) for _ in range(self.n_layers)]
+        values = [torch.zeros(shape, device=self.device, dtype=self.cache_dtype) for _ in range(self.n_layers)]
         return keys, values
 
     def forward(self, tokens, positions, write_at, keys, values, last_only: bool = False, layers=None, tree=None,

@@ -2,7 +2,8 @@
 
 Dequantising a GGUF to bf16 or float32 makes every token stream 3-6x the bytes of the file itself.
 Here the linear layers keep the file's blocks and multiply with them directly
-(``csrc/core/quant.h``): activations, norms, attention and the KV cache stay float32.
+(``csrc/core/quant.h``): activations, norms, attention and the KV cache stay float32 (``q8``, int8
+activations, keeps a float16 cache: ``FastLlama.cache_dtype``).
 
 One layout serves the formats: blocks of 32 inputs, w = scale * q + min with a float32 scale and
 min per block, 4-bit codes (two to a byte) or 8-bit ones. Q4_0, Q4_1, Q4_K and Q8_0 map onto it

@@ -57,29 +57,35 @@ spk::Strided4<T> strided(const at::Tensor& t) {
   return {reinterpret_cast<T*>(t.data_ptr<A>()), t.stride(0), t.stride(1), t.stride(2), t.stride(3)};
 }
 
-template <typename T, typename A>
+// queries and output of T (A: its ATen type), keys and values of C (CA)
+template <typename T, typename A, typename C = T, typename CA = A>
 void attend_as(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
                const at::Tensor& count, double scale, at::Tensor& out) {
   const spk::AttentionShape sh{q.size(0), q.size(1), q.size(2), q.size(3), k.size(1), k.size(2),
                                slots.numel() ? slots.size(2) : 0};
-  spk::attend<T>(sh, strided<const T, A>(q), strided<const T, A>(k), strided<const T, A>(v),
+  spk::attend(sh, strided<const T, A>(q), strided<const C, CA>(k), strided<const C, CA>(v),
                  slots.numel() ? slots.data_ptr<int64_t>() : nullptr, count.data_ptr<int64_t>(),
                  static_cast<float>(scale), strided<T, A>(out), PARALLEL);
 }
 
 }  // namespace
 
-// q [B, H, T, D]; k, v [B, Hkv, S, D] with contiguous rows; slots [B, T, W] int64 (query t's key x is
-// slot slots[b, t, x]), or empty where key x is slot x; count [B, T]: keys each query sees.
+// q [B, H, T, D]; k, v [B, Hkv, S, D] with contiguous rows, of q's dtype or float16 beside float32
+// queries (q8's cache); slots [B, T, W] int64 (query t's key x is slot slots[b, t, x]), or empty
+// where key x is slot x; count [B, T]: keys each query sees.
 at::Tensor attend(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor slots, at::Tensor count, double scale) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes(), "attend: q [B, H, T, D], k and v [B, Hkv, S, D]");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "attend: keys and values need contiguous rows");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "attend: one dtype");
+  const bool half_cache = q.scalar_type() == at::kFloat && k.scalar_type() == at::kHalf;
+  TORCH_CHECK((q.scalar_type() == k.scalar_type() || half_cache) && k.scalar_type() == v.scalar_type(),
+              "attend: q, k and v of one dtype, or float16 keys and values beside float32 queries");
   TORCH_CHECK(q.size(3) % spk::LANES == 0 && q.size(3) <= spk::MAX_D, "attend: head dims a multiple of 16, at most 256");
   auto out = at::empty(q.sizes(), q.options());
   auto c = count.to(at::kLong).contiguous();
   auto sl = slots.numel() ? slots.to(at::kLong).contiguous() : slots;
-  if (q.scalar_type() == at::kFloat) {
+  if (half_cache) {
+    attend_as<float, float, spk::f16, at::Half>(q, k, v, sl, c, scale, out);
+  } else if (q.scalar_type() == at::kFloat) {
     attend_as<float, float>(q, k, v, sl, c, scale, out);
   } else if (q.scalar_type() == at::kBFloat16) {
     attend_as<spk::bf16, at::BFloat16>(q, k, v, sl, c, scale, out);
@@ -154,15 +160,17 @@ struct Attention {
   spk::BlockAttention at;
 };
 
-// A layer's caches from Python: float32 [B, n_kv, S, D], keys and values alike, contiguous along D
+// A layer's caches from Python: float32 or float16 [B, n_kv, S, D], keys and values alike, contiguous along D
 spk::LayerCaches layer_caches(int64_t B, int64_t n_kv, int64_t D, at::Tensor& k_cache, at::Tensor& v_cache) {
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.dim() == 4 &&
+  const bool half = k_cache.scalar_type() == at::kHalf;
+  TORCH_CHECK((k_cache.scalar_type() == at::kFloat || half) && v_cache.scalar_type() == k_cache.scalar_type() &&
+                  k_cache.dim() == 4 &&
                   k_cache.size(0) == B && k_cache.size(1) == n_kv && k_cache.size(3) == D &&
                   v_cache.sizes() == k_cache.sizes() && v_cache.strides() == k_cache.strides() &&
                   k_cache.stride(3) == 1,
-              "layer: caches float32 [B, n_kv, S, D] contiguous along D");
-  return {k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-          k_cache.size(2)};
+              "layer: caches float32 or float16 [B, n_kv, S, D] (keys and values alike) contiguous along D");
+  return {k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+          k_cache.size(2), half};
 }
 
 Attention block_attention(int64_t B, int64_t T, int64_t n_kv, int64_t D, at::Tensor& k_cache, at::Tensor& v_cache,

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "parallel.h"
+#include "simd.h"
 #include "vector.h"
 
 namespace spk {
@@ -49,37 +50,60 @@ struct AttentionShape {
 // weighted values two or three heads at a time. Below 256 keys the two extra fork/joins cost what it saves.
 constexpr int64_t SPREAD_TASKS = 16, SPREAD_KEYS = 256, SPREAD_BLOCKS = 4;
 
-// keys x0 .. x0 + LANES - 1 of a [S, D] cache with rows `stride` apart, a key per lane: kt[d * LANES
-// + l] is key x0 + l's d (zeros past L). A float32 cache's in NATIVE x NATIVE blocks transposed in
-// registers (a one-token step lays out every key of its context: a float at a time, this took most
-// of its attention's time), asking for the keys two blocks on meanwhile (into L2: 5-10 % faster than
-// into L1 or non-temporal on a 1.5k-token context, a 2-core Zen 4).
-template <typename T>
-inline void lay_out_keys(const T* keys, int64_t stride, int64_t x0, int64_t L, int64_t D, float* kt) {
-  if constexpr (std::is_same_v<T, float>) {
-    for (int64_t x = x0 + 2 * LANES; x < std::min(x0 + 3 * LANES, L); ++x)
-      for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(keys + x * stride + d, 0, 2);
-    for (int64_t l0 = 0; l0 < LANES; l0 += NATIVE)
-      for (int64_t d0 = 0; d0 < D; d0 += NATIVE) {
-        vn rows[NATIVE];
-        for (int i = 0; i < NATIVE; ++i)
-          rows[i] = x0 + l0 + i < L ? vload<vn>(keys + (x0 + l0 + i) * stride + d0) : vn{};
-        transpose_native(rows);
-        for (int j = 0; j < NATIVE; ++j) vstore(kt + (d0 + j) * LANES + l0, rows[j]);
-      }
-  } else {
-    for (int64_t l = 0; l < LANES; ++l)
-      for (int64_t d = 0; d < D; ++d) kt[d * LANES + l] = x0 + l < L ? to_float(keys[(x0 + l) * stride + d]) : 0.f;
+// NATIVE floats of a cache or query row: float32's as they are, 16-bit ones widened (exactly)
+template <typename C>
+inline vn load_native(const C* p) {
+  if constexpr (std::is_same_v<C, float>) {
+    return vload<vn>(p);
+  } else if constexpr (std::is_same_v<C, f16>) {
+    return halves_native(reinterpret_cast<const uint16_t*>(p));
+  } else {  // bfloat16: its bits are a float's upper half
+    typedef uint16_t vh __attribute__((vector_size(NATIVE * sizeof(uint16_t))));
+    typedef uint32_t vu __attribute__((vector_size(NATIVE * sizeof(uint32_t))));
+    vh h;
+    std::memcpy(&h, p, sizeof h);
+    const vu u = __builtin_convertvector(h, vu) << 16;
+    vn f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
   }
+}
+
+// bytes a prefetch of a cache row steps by (a cache line)
+constexpr int64_t LINE = 64;
+// a 16-bit cache's values are widened once for a task of at least this many rows (a prompt's block,
+// where each value is read by dozens of queries: widening it at every read made a 1.5k-token
+// prefill 5 % slower); fewer rows read the cache's halves as they go (a step: half the bytes)
+constexpr int64_t WIDEN_ROWS = 32;
+
+// keys x0 .. x0 + LANES - 1 of a [S, D] cache with rows `stride` apart, a key per lane: kt[d * LANES
+// + l] is key x0 + l's d (zeros past L). In NATIVE x NATIVE blocks transposed in registers (a
+// one-token step lays out every key of its context: a float at a time, this took most of its
+// attention's time), asking for the keys two blocks on meanwhile (into L2: 5-10 % faster than into
+// L1 or non-temporal on a 1.5k-token context, a 2-core Zen 4).
+template <typename C>
+inline void lay_out_keys(const C* keys, int64_t stride, int64_t x0, int64_t L, int64_t D, float* kt) {
+  for (int64_t x = x0 + 2 * LANES; x < std::min(x0 + 3 * LANES, L); ++x)
+    for (int64_t d = 0; d < D; d += LINE / int64_t(sizeof(C))) __builtin_prefetch(keys + x * stride + d, 0, 2);
+  for (int64_t l0 = 0; l0 < LANES; l0 += NATIVE)
+    for (int64_t d0 = 0; d0 < D; d0 += NATIVE) {
+      vn rows[NATIVE];
+      for (int i = 0; i < NATIVE; ++i)
+        rows[i] = x0 + l0 + i < L ? load_native(keys + (x0 + l0 + i) * stride + d0) : vn{};
+      transpose_native(rows);
+      for (int j = 0; j < NATIVE; ++j) vstore(kt + (d0 + j) * LANES + l0, rows[j]);
+    }
 }
 
 // The steps of a task: the queries of one batch row, kv head and chunk of queries over their keys.
 // Each (query, head) row's result comes from the same operations in the same order whichever
-// thread runs a step and whatever else it runs with.
-template <typename T>
+// thread runs a step and whatever else it runs with. Queries and output are of T, keys and values
+// of C (a float16 cache beside float32 queries: q8's); every cache value is widened exactly.
+template <typename T, typename C = T>
 struct Attender {
   const AttentionShape sh;
-  const Strided4<const T> q, k, v;
+  const Strided4<const T> q;
+  const Strided4<const C> k, v;
   const int64_t* slots;
   const int64_t* count;
   const float scale;
@@ -88,11 +112,9 @@ struct Attender {
 
   struct Task {
     int64_t b, h, t0, tn, R, L, L16;
-    const T *kbase, *vbase;
+    const C *kbase, *vbase;
     std::vector<float> qf;     // the rows' queries [(R + 3), D]; rows R.. zeros (the last group of four's padding)
-    std::vector<float> vf;     // a 16-bit cache's values at slots 0..L-1 as floats
-    const float* values;       // values at slots 0..L-1 (where a query's key x is slot x)
-    int64_t values_stride;
+    std::vector<float> vf;     // a 16-bit cache's values at slots 0..L-1 widened (WIDEN_ROWS), else empty
     std::vector<float> total;  // each row's sum of exps
   };
 
@@ -102,13 +124,13 @@ struct Attender {
     for (int64_t u = 0; u < tn; ++u) longest = std::max(longest, count[b * sh.T + t0 + u]);
     t.L = std::min(longest, sh.S), t.L16 = (longest + LANES - 1) / LANES * LANES;
     t.kbase = &k.at(b, h, 0, 0), t.vbase = &v.at(b, h, 0, 0);
-    if constexpr (std::is_same_v<T, float>) {
-      t.values = t.vbase, t.values_stride = v.s2;
-    } else {  // converted once for the task's queries
-      t.vf.resize(std::max<int64_t>(t.L, 1) * sh.D);
-      for (int64_t x = 0; x < t.L; ++x)
-        for (int64_t d = 0; d < sh.D; ++d) t.vf[x * sh.D + d] = to_float(t.vbase[x * v.s2 + d]);
-      t.values = t.vf.data(), t.values_stride = sh.D;
+    t.vf.clear();
+    if constexpr (!std::is_same_v<C, float>) {
+      if (t.R >= WIDEN_ROWS && !slots) {
+        t.vf.resize(t.L * sh.D);
+        for (int64_t x = 0; x < t.L; ++x)
+          for (int64_t d = 0; d < sh.D; d += NATIVE) vstore(t.vf.data() + x * sh.D + d, load_native(t.vbase + x * v.s2 + d));
+      }
     }
     t.qf.assign((t.R + 3) * sh.D, 0.f);
     for (int64_t u = 0; u < tn; ++u)
@@ -170,7 +192,7 @@ struct Attender {
       // a tree node's own keys past where its path leaves the shared slots
       std::fill(w.own.begin(), w.own.end(), 0.f);
       for (int64_t l = 0; l < LANES && x0 + l < n; ++l) {
-        const T* src = t.kbase + slot_of(t, u, x0 + l) * k.s2;
+        const C* src = t.kbase + slot_of(t, u, x0 + l) * k.s2;
         for (int64_t d = 0; d < D; ++d) w.own[d * LANES + l] = to_float(src[d]);
       }
       w.mine.clear();
@@ -202,28 +224,31 @@ struct Attender {
   // registers; NV = 0: all D, in memory). Each head's and each lane's sum is its own, in the same
   // order however heads and lanes are shared out.
   template <int64_t NV, int N>
-  void weigh(const Task& t, int64_t u, int64_t j, int64_t c0, const float* s, float* row) const {
+  void weigh(const Task& t, int64_t u, int64_t j, int64_t c0, const float* s) const {
+    if (!t.vf.empty())
+      weigh_from<NV, N>(t, u, j, c0, s, t.vf.data(), sh.D);
+    else
+      weigh_from<NV, N>(t, u, j, c0, s, t.vbase, v.s2);
+  }
+
+  // weigh over values of V at values[slot * stride] (the cache's, or a task's widened copy)
+  template <int64_t NV, int N, typename V>
+  void weigh_from(const Task& t, int64_t u, int64_t j, int64_t c0, const float* s, const V* values, int64_t stride) const {
     const int64_t n = count[t.b * sh.T + t.t0 + u], D = sh.D, nv = NV ? NV : D / NATIVE;
     if (n <= 0) return;
     const float* w[N];
     for (int i = 0; i < N; ++i) w[i] = j + i < g ? s + (u * g + j + i) * t.L16 : nullptr;
     vn acc[N][NV ? NV : MAX_D / NATIVE] = {};
     for (int64_t x = 0; x < n; ++x) {
-      const int64_t slot = slot_of(t, u, x);
-      const float* val = t.values + x * t.values_stride;
-      if (slot != x || x >= t.L) {
-        const T* src = t.vbase + slot * v.s2;
-        for (int64_t d = 0; d < D; ++d) row[d] = to_float(src[d]);
-        val = row;
-      }
+      const V* val = values + slot_of(t, u, x) * stride;
       if (x + VALUES_AHEAD < t.L)
-        for (int64_t b = 0; b < (NV ? NV : nv) * NATIVE; b += 16)
-          __builtin_prefetch(t.values + (x + VALUES_AHEAD) * t.values_stride + c0 * NATIVE + b, 0, 0);
+        for (int64_t b = 0; b < (NV ? NV : nv) * NATIVE; b += LINE / int64_t(sizeof(V)))
+          __builtin_prefetch(values + (x + VALUES_AHEAD) * stride + c0 * NATIVE + b, 0, 0);
       float p[N];
       for (int i = 0; i < N; ++i) p[i] = w[i] ? w[i][x] : 0.f;
 #pragma GCC unroll 32
       for (int64_t c = 0; c < (NV ? NV : nv); ++c) {
-        const vn vc = vload<vn>(val + (c0 + c) * NATIVE);
+        const vn vc = load_native(val + (c0 + c) * NATIVE);
 #pragma GCC unroll 4
         for (int i = 0; i < N; ++i) acc[i][c] += p[i] * vc;
       }
@@ -244,32 +269,32 @@ struct Attender {
   // heads j.. (heads_at_once of them) of query u; where three, half 0 or 1 of the head dim alone
   // (-1: all of it, in one pass where the whole head dim's accumulators fit in half the registers,
   // as on AVX-512, else half after half: AVX2's 16 registers)
-  void weigh_heads(const Task& t, int64_t u, int64_t j, int64_t half, const float* s, float* row) const {
+  void weigh_heads(const Task& t, int64_t u, int64_t j, int64_t half, const float* s) const {
     constexpr int64_t HALF = 32 / NATIVE;
     if (heads_at_once() == 3 && half >= 0) {
-      weigh<HALF, 3>(t, u, j, half * HALF, s, row);
+      weigh<HALF, 3>(t, u, j, half * HALF, s);
     } else if (heads_at_once() == 3) {
       if constexpr (3 * 2 * HALF <= 16) {
-        weigh<2 * HALF, 3>(t, u, j, 0, s, row);
+        weigh<2 * HALF, 3>(t, u, j, 0, s);
       } else {
-        weigh<HALF, 3>(t, u, j, 0, s, row);
-        weigh<HALF, 3>(t, u, j, HALF, s, row);
+        weigh<HALF, 3>(t, u, j, 0, s);
+        weigh<HALF, 3>(t, u, j, HALF, s);
       }
     } else if (sh.D == 64) {
-      weigh<64 / NATIVE, 2>(t, u, j, 0, s, row);
+      weigh<64 / NATIVE, 2>(t, u, j, 0, s);
     } else if (sh.D == 128) {
-      weigh<128 / NATIVE, 2>(t, u, j, 0, s, row);
+      weigh<128 / NATIVE, 2>(t, u, j, 0, s);
     } else {
-      weigh<0, 2>(t, u, j, 0, s, row);
+      weigh<0, 2>(t, u, j, 0, s);
     }
   }
 };
 
 // q, out: [B, H, T, D]; k, v: [B, Hkv, S, D] (rows contiguous); slots: [B, T, W] or null; count [B, T]
-template <typename T>
-void attend(const AttentionShape& sh, Strided4<const T> q, Strided4<const T> k, Strided4<const T> v,
+template <typename T, typename C>
+void attend(const AttentionShape& sh, Strided4<const T> q, Strided4<const C> k, Strided4<const C> v,
             const int64_t* slots, const int64_t* count, float scale, Strided4<T> out, const ParallelFor& parallel) {
-  const Attender<T> at{sh, q, k, v, slots, count, scale, out};
+  const Attender<T, C> at{sh, q, k, v, slots, count, scale, out};
   const int64_t B = sh.B, T_ = sh.T, D = sh.D, Hkv = sh.Hkv, S = sh.S, g = at.g;
   const int64_t Q = T_ >= 4 * QUERIES_LONG
                         ? std::clamp(SCORES_HELD / (g * (S + LANES)), QUERIES, QUERIES_LONG)
@@ -279,7 +304,7 @@ void attend(const AttentionShape& sh, Strided4<const T> q, Strided4<const T> k, 
   for (int64_t i = 0; i < B * T_; ++i) longest = std::max(longest, count[i]);
   if (chunks == 1 && B * Hkv < SPREAD_TASKS && std::min(longest, S) >= SPREAD_KEYS) {
     const int64_t tasks = B * Hkv;
-    std::vector<typename Attender<T>::Task> ts(tasks);
+    std::vector<typename Attender<T, C>::Task> ts(tasks);
     std::vector<std::vector<float>> scores(tasks);
     for (int64_t i = 0; i < tasks; ++i) {
       at.start(ts[i], i / Hkv, i % Hkv, 0, T_);
@@ -289,7 +314,7 @@ void attend(const AttentionShape& sh, Strided4<const T> q, Strided4<const T> k, 
     for (const auto& t : ts) blocks = std::max(blocks, t.L16 / LANES);
     const int64_t pieces = (blocks + SPREAD_BLOCKS - 1) / SPREAD_BLOCKS;
     parallel(tasks * pieces, 1, [&](int64_t begin, int64_t end) {  // the scores, blocks of keys at a time
-      typename Attender<T>::Scratch w(D);
+      typename Attender<T, C>::Scratch w(D);
       for (int64_t item = begin; item < end; ++item) {
         const auto& t = ts[item / pieces];
         const int64_t x_end = std::min(t.L16, (item % pieces + 1) * SPREAD_BLOCKS * LANES);
@@ -307,20 +332,19 @@ void attend(const AttentionShape& sh, Strided4<const T> q, Strided4<const T> k, 
     // call taken as one call
     const int64_t per = at.heads_at_once(), calls = (g + per - 1) / per, halves = per == 3 ? 2 : 1;
     parallel(tasks * T_ * calls * halves, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> row(D);
       for (int64_t unit = begin; unit < end; ++unit) {
         const int64_t item = unit / halves, task = item / (T_ * calls), u = item / calls % T_;
         const bool whole = halves == 1 || (unit % 2 == 0 && unit + 1 < end);
-        at.weigh_heads(ts[task], u, per * (item % calls), whole ? -1 : unit % 2, scores[task].data(), row.data());
+        at.weigh_heads(ts[task], u, per * (item % calls), whole ? -1 : unit % 2, scores[task].data());
         unit += whole && halves == 2;
       }
     });
     return;
   }
   parallel(B * Hkv * chunks, 1, [&](int64_t begin, int64_t end) {
-    typename Attender<T>::Task t;
-    typename Attender<T>::Scratch w(D);
-    std::vector<float> s, row(D);
+    typename Attender<T, C>::Task t;
+    typename Attender<T, C>::Scratch w(D);
+    std::vector<float> s;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / (Hkv * chunks), h = (item / chunks) % Hkv, t0 = (item % chunks) * Q;
       at.start(t, b, h, t0, std::min(Q, T_ - t0));
@@ -328,7 +352,7 @@ void attend(const AttentionShape& sh, Strided4<const T> q, Strided4<const T> k, 
       for (int64_t x0 = 0; x0 < t.L16; x0 += LANES) at.score_block(t, x0, s.data(), w);
       for (int64_t u = 0; u < t.tn; ++u) {
         for (int64_t j = 0; j < g; ++j) at.softmax(t, u, j, s.data());
-        for (int64_t j = 0; j < g; j += at.heads_at_once()) at.weigh_heads(t, u, j, -1, s.data(), row.data());
+        for (int64_t j = 0; j < g; j += at.heads_at_once()) at.weigh_heads(t, u, j, -1, s.data());
       }
     }
   });

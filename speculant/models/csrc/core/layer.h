@@ -89,9 +89,10 @@ inline void layer_end(const float* h, const float* attn, int64_t M, int64_t H, c
   for (int64_t i = 0; i < M * H; ++i) out[i] += d[i];
 }
 
-struct LayerCaches {  // float32 [B, n_kv, S, D], contiguous along D
-  float *k, *v;
+struct LayerCaches {  // [B, n_kv, S, D], contiguous along D: float32, or float16 where `half` (q8's)
+  void *k, *v;
   int64_t s0, s1, s2, S;
+  bool half = false;
 };
 
 struct BlockAttention {  // where a block's keys and values go and which each query sees
@@ -103,28 +104,47 @@ struct BlockAttention {  // where a block's keys and values go and which each qu
   float scale;
 };
 
-// A block's attention: the new keys and values of y [B, T, heads, D] (q, then n_kv k, then n_kv v
-// heads) written at (row, write_at), then each query over its `count` keys. a: [B, T, n_heads, D]
-inline void attend_block(const float* y, int64_t B, int64_t T, int64_t n_heads, int64_t n_kv, int64_t D,
+// attend_block over caches of C: the new keys and values written (rounded to C), then the attention
+template <typename C>
+inline void attend_cache(const float* y, int64_t B, int64_t T, int64_t n_heads, int64_t n_kv, int64_t D,
                          const BlockAttention& at, float* a, const ParallelFor& parallel) {
   const int64_t heads = n_heads + 2 * n_kv;
   const LayerCaches& c = at.caches;
+  C *kc = static_cast<C*>(c.k), *vc = static_cast<C*>(c.v);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < T; ++t) {
       const int64_t slot = at.write_at[b * T + t];
       if (slot < 0 || slot >= c.S) throw std::out_of_range("layer: write_at outside the cache");
       for (int64_t j = 0; j < n_kv; ++j) {
         const float* src = y + ((b * T + t) * heads + n_heads + j) * D;
-        std::memcpy(c.k + b * c.s0 + j * c.s1 + slot * c.s2, src, D * sizeof(float));
-        std::memcpy(c.v + b * c.s0 + j * c.s1 + slot * c.s2, src + n_kv * D, D * sizeof(float));
+        C *kd = kc + b * c.s0 + j * c.s1 + slot * c.s2, *vd = vc + b * c.s0 + j * c.s1 + slot * c.s2;
+        if constexpr (std::is_same_v<C, f16>) {
+          for (int64_t d = 0; d < D; d += NATIVE) {  // D: a multiple of 16
+            store_halves_native(reinterpret_cast<uint16_t*>(kd + d), vload<vn>(src + d));
+            store_halves_native(reinterpret_cast<uint16_t*>(vd + d), vload<vn>(src + n_kv * D + d));
+          }
+        } else {
+          std::memcpy(kd, src, D * sizeof(float));
+          std::memcpy(vd, src + n_kv * D, D * sizeof(float));
+        }
       }
     }
   // queries [B, n_heads, T, D] read in place from y [B, T, heads, D]; the output [B, T, n_heads, D]
   const AttentionShape sh{B, n_heads, T, D, n_kv, c.S, at.W};
   const Strided4<const float> q{y, T * heads * D, D, heads * D, 1};
-  const Strided4<const float> keys{c.k, c.s0, c.s1, c.s2, 1}, values{c.v, c.s0, c.s1, c.s2, 1};
+  const Strided4<const C> keys{kc, c.s0, c.s1, c.s2, 1}, values{vc, c.s0, c.s1, c.s2, 1};
   const Strided4<float> att{a, T * n_heads * D, D, n_heads * D, 1};
-  attend<float>(sh, q, keys, values, at.slots, at.count, at.scale, att, parallel);
+  attend(sh, q, keys, values, at.slots, at.count, at.scale, att, parallel);
+}
+
+// A block's attention: the new keys and values of y [B, T, heads, D] (q, then n_kv k, then n_kv v
+// heads) written at (row, write_at), then each query over its `count` keys. a: [B, T, n_heads, D]
+inline void attend_block(const float* y, int64_t B, int64_t T, int64_t n_heads, int64_t n_kv, int64_t D,
+                         const BlockAttention& at, float* a, const ParallelFor& parallel) {
+  if (at.caches.half)
+    attend_cache<f16>(y, B, T, n_heads, n_kv, D, at, a, parallel);
+  else
+    attend_cache<float>(y, B, T, n_heads, n_kv, D, at, a, parallel);
 }
 
 struct LayerWeights {  // a Llama decoder layer's

@@ -174,12 +174,12 @@ inline bf16 from_float<bf16>(float f) {  // round to nearest even, as PyTorch's 
   return {static_cast<uint16_t>(u >> 16)};
 }
 template <>
-inline f16 from_float<f16>(float f) {  // round to nearest even (as PyTorch's conversion); NaN: 0x7E00
-  uint32_t x;
+inline f16 from_float<f16>(float f) {  // round to nearest even, as PyTorch's conversion and F16C's; a NaN
+  uint32_t x;                          // quieted, its payload's top bits kept (as F16C and NEON do)
   std::memcpy(&x, &f, 4);
   const uint32_t sign = (x >> 16) & 0x8000, exp = (x >> 23) & 0xFF;
   uint32_t mant = x & 0x7FFFFF;
-  if (exp == 0xFF) return {static_cast<uint16_t>(sign | (mant ? 0x7E00 : 0x7C00))};
+  if (exp == 0xFF) return {static_cast<uint16_t>(sign | (mant ? 0x7E00 | (mant >> 13) : 0x7C00))};
   const int e = static_cast<int>(exp) - 112;  // the half's biased exponent
   if (e >= 31) return {static_cast<uint16_t>(sign | 0x7C00)};
   uint32_t h, rest, half;

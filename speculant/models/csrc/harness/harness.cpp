@@ -5,6 +5,7 @@
 // same lines. It also checks width invariance itself (a row alone against the row in any block)
 // and that attention's bits do not depend on how its loops are cut over threads, and prints
 // "FAIL ..." where either breaks.
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -127,39 +128,83 @@ void linears(Random& rng, bool int8, bool half = false) {
 // tasks attend spreads over the threads step by step
 // (H, Hkv, D) = (6, 2, 64): three query heads a kv head, SmolLM2's head dim (weighed three heads at
 // a time where the registers allow: AVX-512; two elsewhere)
-template <typename T>
-void attention(Random& rng, const char* type, bool long_context, int64_t H = 4, int64_t Hkv = 2, int64_t D = 32) {
-  const int64_t B = 2, T_ = 5, S = long_context ? 340 : 72, W = S;
-  const int64_t first = long_context ? 290 : 17;
-  std::vector<T> q(B * H * T_ * D), k(B * Hkv * S * D), v(B * Hkv * S * D), out(q.size());
-  for (auto* t : {&q, &k, &v})
-    for (auto& e : *t) e = spk::from_float<T>(rng.uniform(-2, 2));
+// queries and output of T, keys and values of C (a float16 cache beside float32 queries: q8's, whose
+// results must be those of a float32 cache holding the very same values). T_ queries a row: from
+// 256, a prompt's block (its tasks take dozens of queries, and a 16-bit cache's values are widened once)
+template <typename T, typename C = T>
+void attention(Random& rng, const char* type, bool long_context, int64_t H = 4, int64_t Hkv = 2, int64_t D = 32,
+               int64_t T_ = 5) {
+  const int64_t B = 2, first = long_context ? 290 : 17, step = T_ > 16 ? 1 : 9;
+  const int64_t S = std::max<int64_t>(long_context ? 340 : 72, first + step * T_ + B), W = S;
+  std::vector<T> q(B * H * T_ * D), out(q.size());
+  std::vector<C> k(B * Hkv * S * D), v(B * Hkv * S * D);
+  for (auto& e : q) e = spk::from_float<T>(rng.uniform(-2, 2));
+  for (auto* t : {&k, &v})
+    for (auto& e : *t) e = spk::from_float<C>(rng.uniform(-2, 2));
   std::vector<int64_t> count(B * T_), slots(B * T_ * W);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < T_; ++t) {
-      count[b * T_ + t] = first + 9 * t + b;
+      count[b * T_ + t] = first + step * t + b;
       for (int64_t x = 0; x < W; ++x) slots[(b * T_ + t) * W + x] = x < first ? x : (x * 7 + t) % S;  // a tree's own keys
     }
   const spk::AttentionShape sh{B, H, T_, D, Hkv, S, W};
-  const spk::Strided4<const T> qs{q.data(), H * T_ * D, T_ * D, D, 1}, ks{k.data(), Hkv * S * D, S * D, D, 1},
-      vs{v.data(), Hkv * S * D, S * D, D, 1};
+  const spk::Strided4<const T> qs{q.data(), H * T_ * D, T_ * D, D, 1};
+  const spk::Strided4<const C> ks{k.data(), Hkv * S * D, S * D, D, 1}, vs{v.data(), Hkv * S * D, S * D, D, 1};
   const spk::Strided4<T> os{out.data(), H * T_ * D, T_ * D, D, 1};
-  const std::string name = std::string(long_context ? "long " : "") + type + (H == 4 ? "" : " 3 heads a kv head");
+  const std::string name = std::string(long_context ? "long " : "") + type + (H == 4 ? "" : " 3 heads a kv head") +
+                           (T_ > 16 ? " prompt block" : "");
   for (const bool tree : {false, true}) {
     const int64_t* sl = tree ? slots.data() : nullptr;
-    spk::attend<T>(sh, qs, ks, vs, sl, count.data(), 0.125f, os, spk::serial_for);
+    spk::attend(sh, qs, ks, vs, sl, count.data(), 0.125f, os, spk::serial_for);
     report(std::string("attention ") + (tree ? "tree " : "chain ") + name, out);
+    if constexpr (!std::is_same_v<T, C>) {  // the cache's values widened to T: the same bits
+      std::vector<T> kw(k.size()), vw(v.size()), wide(out.size());
+      for (size_t i = 0; i < k.size(); ++i) kw[i] = spk::from_float<T>(spk::to_float(k[i]));
+      for (size_t i = 0; i < v.size(); ++i) vw[i] = spk::from_float<T>(spk::to_float(v[i]));
+      const spk::Strided4<const T> kws{kw.data(), Hkv * S * D, S * D, D, 1}, vws{vw.data(), Hkv * S * D, S * D, D, 1};
+      spk::attend(sh, qs, kws, vws, sl, count.data(), 0.125f, spk::Strided4<T>{wide.data(), H * T_ * D, T_ * D, D, 1},
+                  spk::serial_for);
+      if (std::memcmp(wide.data(), out.data(), out.size() * sizeof(T)) != 0) {
+        std::printf("FAIL attention %s: differs from its cache's values widened\n", name.c_str());
+        ++failures;
+      }
+    }
     // the loops cut as threads would take them (a call's items in one chunk, in two, one by one)
     for (const spk::ParallelFor& split : {spk::ParallelFor(halves_for), spk::ParallelFor(ones_for)}) {
       std::vector<T> again(out.size());
       const spk::Strided4<T> as{again.data(), H * T_ * D, T_ * D, D, 1};
-      spk::attend<T>(sh, qs, ks, vs, sl, count.data(), 0.125f, as, split);
+      spk::attend(sh, qs, ks, vs, sl, count.data(), 0.125f, as, split);
       if (std::memcmp(again.data(), out.data(), out.size() * sizeof(T)) != 0) {
         std::printf("FAIL attention %s: the split of its loops changes its bits\n", name.c_str());
         ++failures;
       }
     }
   }
+}
+
+// floats rounded to halves by the ISA's vector conversion (q8's cache writes) against vector.h's:
+// ties, subnormals, overflow, infinities and NaNs with payloads
+void half_rounding(Random& rng) {
+  std::vector<float> x;
+  for (int i = 0; i < 4096; ++i) {
+    const float scale[] = {1e-7f, 3e-5f, 1.0f, 300.0f, 7e4f};
+    x.push_back(rng.uniform(-1, 1) * scale[i % 5]);
+  }
+  for (uint32_t bits : {0x7F800000u, 0xFF800000u, 0x7FC00000u, 0xFFC12345u, 0x7F80F001u, 0x33800000u, 0x33000000u,
+                        0x3F801000u, 0x3F803000u, 0x477FF000u, 0x477FEFFFu, 0x387FC000u, 0x80000000u}) {
+    float f;
+    std::memcpy(&f, &bits, 4);
+    x.push_back(f);
+  }
+  x.resize((x.size() + spk::NATIVE - 1) / spk::NATIVE * spk::NATIVE, 0.f);
+  std::vector<uint16_t> vec(x.size()), ref(x.size());
+  for (size_t i = 0; i < x.size(); i += spk::NATIVE) spk::store_halves_native(vec.data() + i, spk::vload<spk::vn>(x.data() + i));
+  for (size_t i = 0; i < x.size(); ++i) ref[i] = spk::from_float<spk::f16>(x[i]).bits;
+  if (vec != ref) {
+    std::printf("FAIL float16 rounding: the vector conversion differs from vector.h's\n");
+    ++failures;
+  }
+  report("float16 rounding", vec);
 }
 
 void layers(Random& rng) {
@@ -187,6 +232,15 @@ void layers(Random& rng) {
   spk::layer(h.data(), B, T, H, w, cos.data(), sin.data(), heads, kv, D, at, out.data(), spk::serial_for);
   report("layer", out);
   report("layer cache", kc);
+  {  // q8's float16 cache: the block's keys and values rounded to halves as they are written
+    std::vector<spk::f16> kh(kc.size()), vh(vc.size());
+    for (size_t i = 0; i < kc.size(); ++i) kh[i] = spk::from_float<spk::f16>(kc[i]), vh[i] = spk::from_float<spk::f16>(vc[i]);
+    spk::BlockAttention half = at;
+    half.caches = {kh.data(), vh.data(), kv * S * D, S * D, D, S, true};
+    spk::layer(h.data(), B, T, H, w, cos.data(), sin.data(), heads, kv, D, half, out.data(), spk::serial_for);
+    report("layer float16 cache", out);
+    report("layer float16 cache written", kh);
+  }
   std::vector<float> norm(B * T * H);
   spk::rms_norm(h.data(), B * T, H, ln1.data(), 1e-5f, norm.data());
   report("norm", norm);
@@ -220,8 +274,14 @@ int main() {
     attention<float>(rng, "float32", long_context);
     attention<spk::bf16>(rng, "bfloat16", long_context);
     attention<spk::f16>(rng, "float16", long_context);
+    attention<float, spk::f16>(rng, "float16 cache", long_context);
   }
+  half_rounding(rng);
   layers(rng);
-  for (const bool long_context : {false, true}) attention<float>(rng, "float32", long_context, 6, 2, 64);
+  for (const bool long_context : {false, true}) {
+    attention<float>(rng, "float32", long_context, 6, 2, 64);
+    attention<float, spk::f16>(rng, "float16 cache", long_context, 6, 2, 64);
+  }
+  attention<float, spk::f16>(rng, "float16 cache", false, 6, 2, 64, 260);
   return failures ? 1 : 0;
 }

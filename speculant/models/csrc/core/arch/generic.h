@@ -32,6 +32,14 @@ inline V16 load16h(const uint16_t* p) {  // 16 halves widened (exact: vector.h's
   for (int i = 0; i < 16; ++i) r.v[i] = to_float(f16{p[i]});
   return r;
 }
+inline vn halves_native(const uint16_t* p) {  // NATIVE halves widened (exact: vector.h's conversion)
+  vn r;
+  for (int i = 0; i < NATIVE; ++i) r[i] = to_float(f16{p[i]});
+  return r;
+}
+inline void store_halves_native(uint16_t* p, vn x) {  // rounded to nearest even (vector.h's conversion)
+  for (int i = 0; i < NATIVE; ++i) p[i] = from_float<f16>(x[i]).bits;
+}
 inline void store16(float* p, const V16& a) { std::memcpy(p, a.v, sizeof a.v); }
 inline V16 fma16(const V16& a, const V16& b, const V16& c) {  // a * b + c, one rounding
   V16 r;

@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "../../vector.h"
+
 namespace spk {
 
 #if defined(__ARM_FEATURE_DOTPROD)
@@ -27,6 +29,17 @@ inline V16 load16h(const uint16_t* p) {  // 16 halves widened (exact)
   V16 r;
   for (int i = 0; i < 4; ++i) r.q[i] = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p + 4 * i)));
   return r;
+}
+inline vn halves_native(const uint16_t* p) {  // NATIVE (4) halves widened (exact)
+  const float32x4_t f = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
+  vn r;
+  std::memcpy(&r, &f, sizeof r);
+  return r;
+}
+inline void store_halves_native(uint16_t* p, vn x) {  // rounded to nearest even (FPCR's default)
+  float32x4_t f;
+  std::memcpy(&f, &x, sizeof f);
+  vst1_u16(p, vreinterpret_u16_f16(vcvt_f16_f32(f)));
 }
 inline void store16(float* p, const V16& v) {
   for (int i = 0; i < 4; ++i) vst1q_f32(p + 4 * i, v.q[i]);

@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "../../vector.h"
+
 namespace spk {
 
 constexpr const char* ISA = "avx2";
@@ -23,6 +25,12 @@ inline V16 load16(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(
 inline V16 load16h(const uint16_t* p) {  // 16 halves widened (exact; F16C)
   return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+inline vn halves_native(const uint16_t* p) {  // NATIVE (8) halves widened (exact; F16C)
+  return (vn)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline void store_halves_native(uint16_t* p, vn x) {  // rounded to nearest even (F16C)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph((__m256)x, _MM_FROUND_TO_NEAREST_INT));
 }
 inline void store16(float* p, const V16& v) {
   _mm256_storeu_ps(p, v.a);

@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "../../vector.h"
+
 namespace spk {
 
 #if defined(__AVX512VNNI__)
@@ -25,6 +27,12 @@ inline V16 set16(float s) { return {_mm512_set1_ps(s)}; }
 inline V16 load16(const float* p) { return {_mm512_loadu_ps(p)}; }
 inline V16 load16h(const uint16_t* p) {  // 16 halves widened (exact)
   return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+}
+inline vn halves_native(const uint16_t* p) {  // NATIVE (16) halves widened (exact)
+  return (vn)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline void store_halves_native(uint16_t* p, vn x) {  // rounded to nearest even
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph((__m512)x, _MM_FROUND_TO_NEAREST_INT));
 }
 inline void store16(float* p, const V16& v) { _mm512_storeu_ps(p, v.a); }
 inline V16 fma16(const V16& x, const V16& y, const V16& z) { return {_mm512_fmadd_ps(x.a, y.a, z.a)}; }
