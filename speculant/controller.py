@@ -56,11 +56,18 @@ def expected_tokens(alpha: float | Sequence[float], gamma: int) -> float:
     if isinstance(alpha, (int, float)):
         a = float(alpha)
         return float(gamma + 1) if a >= 1.0 else (1.0 - a ** (gamma + 1)) / (1.0 - a)
-    total, survive = 1.0, 1.0
-    for j in range(gamma):
+    return expected_tokens_upto(alpha, gamma)[-1]
+
+
+def expected_tokens_upto(alpha: Sequence[float], most: int) -> list[float]:
+    """``expected_tokens(alpha, g)`` for every g in 0..most, in one pass (the same sums, term by
+    term: a choice weighs every γ, and their sums one by one cost O(γ²) in Python each pass)."""
+    out, total, survive = [1.0], 1.0, 1.0
+    for j in range(most):
         survive *= alpha[min(j, len(alpha) - 1)] if len(alpha) else 0.0
         total += survive
-    return total
+        out.append(total)
+    return out
 
 
 @dataclass
@@ -71,10 +78,14 @@ class StaticCosts:
     draft_per_token: float
     verify: Callable[[int], float]  # k -> seconds
     draft_per_pass: float = 0.0
+    # made for one decision, which asks each γ's cost several times (an interpolation each)
+    _seconds: dict = field(default_factory=dict, repr=False, compare=False)
 
     def seconds(self, gamma: int) -> float:
-        drafting = self.draft_per_token * gamma + (self.draft_per_pass if gamma > 0 else 0.0)
-        return drafting + self.verify(gamma + 1)
+        if gamma not in self._seconds:
+            drafting = self.draft_per_token * gamma + (self.draft_per_pass if gamma > 0 else 0.0)
+            self._seconds[gamma] = drafting + self.verify(gamma + 1)
+        return self._seconds[gamma]
 
 
 def choose_gamma(alpha: float | Sequence[float], costs, gamma_max: int) -> int:
@@ -445,7 +456,8 @@ class ChainGamma(AutoGamma):
     def _gains(self, profiles: list[list[float]], cap: int, lengths: list[int] | None) -> list[list[float]]:
         """Per row, the expected tokens of a pass drafting 0..cap (a seen draft: at most its length)."""
         lengths = lengths or [cap] * len(profiles)
-        return [[expected_tokens(p, min(g, n)) for g in range(cap + 1)] for p, n in zip(profiles, lengths)]
+        upto = [expected_tokens_upto(p, min(cap, n)) for p, n in zip(profiles, lengths)]
+        return [[row[min(g, n)] for g in range(cap + 1)] for row, n in zip(upto, lengths)]
 
     def choose(self, room: int, lengths: list[int] | None = None,
                grades: list[int] | None = None) -> tuple[int, list[int], bool]:

@@ -4,7 +4,7 @@ import pytest
 import random
 
 from speculant.controller import (ChainGamma, CostModel, RowAlpha, StaticCosts, TreeGamma, VerifyTimes,
-                                  choose_batch_gamma, choose_gamma, expected_tokens)
+                                  choose_batch_gamma, choose_gamma, expected_tokens, expected_tokens_upto)
 
 
 def flat(verify=1.0, draft=0.0):
@@ -18,6 +18,20 @@ def test_expected_tokens_closed_form_and_per_position_agree():
             assert closed == pytest.approx(expected_tokens([a] * g, g))
             assert closed == pytest.approx(sum(a**i for i in range(g + 1)))
     assert expected_tokens([0.9, 0.5, 0.0], 5) == pytest.approx(1 + 0.9 + 0.45)
+
+
+def test_expected_tokens_for_every_gamma_at_once_are_each_gammas_own():
+    rng = random.Random(3)
+    for length in (0, 1, 4, 15):
+        alpha = [rng.random() for _ in range(length)]
+        assert expected_tokens_upto(alpha, 15) == [expected_tokens(alpha, g) for g in range(16)]  # bit for bit
+
+
+def test_a_decisions_costs_are_asked_of_the_verify_times_once_a_width():
+    asked = []
+    costs = StaticCosts(0.1, lambda k: asked.append(k) or 1.0 + 0.2 * k)
+    choose_batch_gamma([[0.9] * 8, [0.5] * 8], costs, 8)
+    assert sorted(asked) == list(range(1, 10))
 
 
 @pytest.mark.parametrize("alpha,c", [(0.1, 0.2), (0.3, 0.5), (0.0, 0.01), (0.45, 0.5)])
