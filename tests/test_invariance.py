@@ -111,6 +111,14 @@ def test_rms_norm_and_rotary_are_per_row(dtype):
     for p in (0, 17, 299):
         one = (torch.cat([pos[:, p : p + 1, None].float() * fast.inv_freq.float()] * 2, -1).cos()).to(dtype)
         assert torch.equal(one[0, 0], cos_all[0, p])
+    # the passes' table (grown as texts grow) gives each position what the formula gives it in a pass
+    for below in (300, 1000, 40):
+        block = torch.randint(below, (3, 5), generator=g)
+        one = block[1:2, 2:3]  # a one-token step's
+        for got, want, alone in zip(fast.rotary(block, below), fast._rope(block), fast._rope(one)):
+            assert got.dtype == dtype and got.shape == (3, 5, 1, fast.head_dim)
+            assert torch.equal(got[:, :, 0], want) and torch.equal(got[1:2, 2:3, 0], alone)
+    assert fast._rotary_table[0].shape[0] == 1024
 
 
 # ---- attention ------------------------------------------------------------------------------------

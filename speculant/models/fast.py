@@ -343,6 +343,7 @@ class FastLlama:
         p = next(hf_model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.compiled = compile
+        self._rotary_table = None  # on a CPU: every position's cos and sin up to a length (``rotary``)
         self.int8 = quantized.int8_activations(hf_model)
         # every pass but the prefill (one-token steps, verify blocks, trees, batches) runs one kernel set
         self.pass_set = choose_kernels(self, plain, compile, kernels, quantized.weights_of(hf_model))
@@ -392,7 +393,8 @@ class FastLlama:
             count = positions + 1
         layout = invariant.key_layout(count, self.dtype, visible, span=S if static else None)
         idx = (torch.arange(B, device=tokens.device)[:, None].expand(B, w), write_at)
-        return self._body(tokens, positions, idx, keys, values, layout, last_only, self.pass_set, layers, taps)
+        return self._body(tokens, positions, idx, keys, values, layout, last_only, self.pass_set, layers, taps,
+                          below=S)
 
     def prefill(self, tokens, keys, values, last_only: bool = False, taps: tuple = ()):
         """One prompt [1, n] from position 0 into a cache row (views [1, ...]): HF's own computation
@@ -407,7 +409,7 @@ class FastLlama:
             return self.forward(tokens, positions, positions, keys, values, last_only, taps=taps)
         idx = (torch.zeros_like(positions), positions)
         keys, values = [k[:, :, :n] for k in keys], [v[:, :, :n] for v in values]
-        return self._body(tokens, positions, idx, keys, values, None, last_only, self.prefill_set, None, taps)
+        return self._body(tokens, positions, idx, keys, values, None, last_only, self.prefill_set, None, taps, below=n)
 
     @property
     def exact(self) -> str:
@@ -462,13 +464,30 @@ class FastLlama:
                   tree=vis[None].to(dev))[0]
         return bool(same and torch.equal(got[path], alone))
 
-    def _body(self, tokens, positions, idx, keys, values, layout: KeyLayout | None, last_only: bool, mm: _MatmulSet,
-              layers=None, taps: tuple = ()):
-        h = self.embed(tokens)
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [..., head_dim] of ``positions``, in the model's dtype (HF's rotary tables)."""
         freqs = positions[..., None].float() * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.rope_scale).to(h.dtype)[:, :, None]
-        sin = (emb.sin() * self.rope_scale).to(h.dtype)[:, :, None]
+        return (emb.cos() * self.rope_scale).to(self.dtype), (emb.sin() * self.rope_scale).to(self.dtype)
+
+    def rotary(self, positions: torch.Tensor, below: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [B, w, 1, head_dim] of ``positions`` [B, w], every one below ``below``. On a CPU
+        they are rows of a table made once (doubled as texts grow): two index ops a pass instead of
+        ten (~40 us of a 4 ms step), each row the very values ``_rope`` gives that position (one
+        elementwise formula); on a GPU, computed in the pass (CUDA graphs capture it)."""
+        if positions.device.type != "cpu":
+            cos, sin = self._rope(positions)
+        else:
+            if self._rotary_table is None or self._rotary_table[0].shape[0] < below:
+                self._rotary_table = self._rope(torch.arange(max(256, 1 << (below - 1).bit_length())))
+            cos, sin = self._rotary_table[0][positions], self._rotary_table[1][positions]
+        return cos[:, :, None], sin[:, :, None]
+
+    def _body(self, tokens, positions, idx, keys, values, layout: KeyLayout | None, last_only: bool, mm: _MatmulSet,
+              layers=None, taps: tuple = (), below: int = 0):
+        """``below``: every position is below it (the slots the pass reads)."""
+        h = self.embed(tokens)
+        cos, sin = self.rotary(positions, below)
         attend = None if layout is None else PassAttention(self.attention, layout, self.scaling)
         tapped = {}
         if mm.all_layers is not None and layers is None and getattr(attend, "kernel", False):
@@ -602,20 +621,19 @@ class StaticKVState(PerRow):
                                tree=vis, taps=taps)
             self.ptr = self.ptr + w
             return logits
-        if valid is None:
-            n_real = torch.full((B,), w, dtype=torch.long, device=tokens.device)
+        col = torch.arange(w, device=tokens.device)[None, :]
+        if valid is None:  # every column real
+            n_real, positions = w, self.ptr[:, None] + col
         else:
             n_real = valid.sum(1)
-        # inputs are right-aligned (left padding): real column t of row b is token t-(w-n_b)
-        col = torch.arange(w, device=tokens.device)[None, :]
-        offset = col - (w - n_real[:, None])
-        real = offset >= 0
-        # pad columns go past the real ones, where no real query can see them
-        positions = torch.where(real, self.ptr[:, None] + offset, self.ptr[:, None] + n_real[:, None] + col)
+            # inputs are right-aligned (left padding): real column t of row b is token t-(w-n_b)
+            offset = col - (w - n_real[:, None])
+            # pad columns go past the real ones, where no real query can see them
+            positions = torch.where(offset >= 0, self.ptr[:, None] + offset, self.ptr[:, None] + n_real[:, None] + col)
         if int(positions.max()) >= self.size:
             raise RuntimeError("static KV cache is full")  # sized by the engine; a bug if reached
         if layers is None and not self.started:
-            logits = self._prefill(tokens, n_real, last_only, taps)
+            logits = self._prefill(tokens, n_real.tolist() if valid is not None else [w] * B, last_only, taps)
         elif layers is None:
             logits = self.step(tokens, positions, positions, self.keys, self.values, last_only, taps=taps)
         else:
@@ -623,13 +641,13 @@ class StaticKVState(PerRow):
         self.ptr = self.ptr + n_real
         return logits
 
-    def _prefill(self, tokens, n_real, last_only: bool, taps: tuple):
+    def _prefill(self, tokens, lengths: list[int], last_only: bool, taps: tuple):
         """Each row's prompt alone (FastLlama.prefill): its cache and first logits do not depend on
         the other prompts of the batch. A prompt that an earlier row holds too (n samples of one
         prompt) is computed once and its cache copied. Outputs are right-aligned, as the padded input was."""
         B, w = tokens.shape
         outs, first = [], {}
-        for b, n in enumerate(n_real.tolist()):
+        for b, n in enumerate(lengths):
             prompt = tuple(tokens[b, w - n :].tolist())
             if prompt in first:
                 a = first[prompt]

@@ -143,29 +143,37 @@ struct Attender {
     return slots ? slots[(t.b * sh.T + t.t0 + u) * sh.W + x] : x;
   }
 
-  // rows (query, head) against keys laid out a key per lane, four rows at a time (padded with a zero
-  // row), so every row runs the very same instructions: each key's sum over d in order
+  // NR rows against 16 keys laid out a key per lane: each key's sum over d in order, the rows' sums
+  // in registers (PARTS native vectors a row)
+  template <int NR>
+  void score_group(const float* const* qr, const int64_t* to, const float* keys, int64_t x0, float* s, int64_t L16) const {
+    vn a[NR][PARTS] = {};
+    for (int64_t d = 0; d < sh.D; ++d) {
+#pragma GCC unroll 4
+      for (int p = 0; p < PARTS; ++p) {
+        const vn kd = vload<vn>(keys + d * LANES + p * NATIVE);
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; ++r) a[r][p] += qr[r][d] * kd;
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int p = 0; p < PARTS; ++p) vstore(s + to[r] * L16 + x0 + p * NATIVE, a[r][p] * scale);
+  }
+
+  // rows (query, head) against keys laid out a key per lane, four rows at a time (a step's three
+  // query heads of a kv head as three: no zero row's work), every row by the very same instructions
   void score_rows(const Task& t, const std::vector<int64_t>& rows, const float* keys, int64_t x0, float* s) const {
-    const int64_t D = sh.D;
     for (size_t i = 0; i < rows.size(); i += 4) {
       const float* qr[4];
       int64_t to[4];
-      for (int64_t k4 = 0; k4 < 4; ++k4) {
-        const bool real = i + k4 < rows.size();
-        qr[k4] = t.qf.data() + (real ? rows[i + k4] : t.R) * D;  // row R..R+2: zeros
-        to[k4] = real ? rows[i + k4] : t.R;
+      const size_t nr = std::min<size_t>(4, rows.size() - i);
+      for (size_t r = 0; r < nr; ++r) qr[r] = t.qf.data() + rows[i + r] * sh.D, to[r] = rows[i + r];
+      switch (nr) {
+        case 4: score_group<4>(qr, to, keys, x0, s, t.L16); break;
+        case 3: score_group<3>(qr, to, keys, x0, s, t.L16); break;
+        case 2: score_group<2>(qr, to, keys, x0, s, t.L16); break;
+        default: score_group<1>(qr, to, keys, x0, s, t.L16); break;
       }
-      vn a[4][PARTS] = {};  // the 16 keys' sums as PARTS native vectors: kept in registers
-      for (int64_t d = 0; d < D; ++d) {
-#pragma GCC unroll 4
-        for (int p = 0; p < PARTS; ++p) {
-          const vn kd = vload<vn>(keys + d * LANES + p * NATIVE);
-#pragma GCC unroll 4
-          for (int r = 0; r < 4; ++r) a[r][p] += qr[r][d] * kd;
-        }
-      }
-      for (int r = 0; r < 4; ++r)
-        for (int p = 0; p < PARTS; ++p) vstore(s + to[r] * t.L16 + x0 + p * NATIVE, a[r][p] * scale);
     }
   }
 
@@ -202,21 +210,74 @@ struct Attender {
     score_rows(t, w.shared, w.kt.data(), x0, s);
   }
 
-  // row (u, j)'s max, exps (in place) and their sum, key after key; a query that sees nothing: zeros out
-  void softmax(Task& t, int64_t u, int64_t j, float* s) const {
+  // row (u, j)'s max and exps (in place; its sum: sum_rows); a query that sees nothing: zeros out.
+  // Returns the row's scores, or null for such a query. A max is exact in any order: by vectors.
+  float* exps(const Task& t, int64_t u, int64_t j, float* s) const {
     const int64_t n = count[t.b * sh.T + t.t0 + u];
     if (n <= 0) {  // a padding column
       for (int64_t d = 0; d < sh.D; ++d) out.at(t.b, t.h * g + j, t.t0 + u, d) = from_float<T>(0.f);
-      return;
+      return nullptr;
     }
     float* sr = s + (u * g + j) * t.L16;
-    float m = sr[0];
-    for (int64_t x = 1; x < n; ++x) m = std::max(m, sr[x]);
-    for (int64_t x = 0; x < n; x += NATIVE)  // the row has L16 >= n columns: whole vectors
+    vn mv = vn{} + sr[0];
+    int64_t x = 0;
+    for (; x + NATIVE <= n; x += NATIVE) {
+      const vn v = vload<vn>(sr + x);
+      mv = mv < v ? v : mv;  // std::max(m, v) a lane at a time
+    }
+    float m = mv[0];
+    for (int l = 1; l < NATIVE; ++l) m = std::max(m, mv[l]);
+    for (; x < n; ++x) m = std::max(m, sr[x]);
+    for (x = 0; x < n; x += NATIVE)  // the row has L16 >= n columns: whole vectors
       vstore(sr + x, exp_vector(vload<vn>(sr + x) - m));
-    float l = 0.f;
-    for (int64_t x = 0; x < n; ++x) l += sr[x];
-    t.total[u * g + j] = l;
+    return sr;
+  }
+
+  // the rows' (u, j) softmax: exps, then each row's sum key after key, in its own order, the rows'
+  // sums side by side (independent chains: a row's sum alone waits on each add)
+  void softmax_rows(Task* const* tasks, const int64_t* us, const int64_t* js, int64_t k, float* const* scores) const {
+    for (int64_t i0 = 0; i0 < k; i0 += 4) {
+      const int64_t m = std::min<int64_t>(4, k - i0);
+      const float* rows[4];
+      int64_t n[4], common = INT64_MAX;
+      float l[4] = {};
+      for (int64_t i = 0; i < m; ++i) {
+        const Task& t = *tasks[i0 + i];
+        rows[i] = exps(t, us[i0 + i], js[i0 + i], scores[i0 + i]);
+        n[i] = rows[i] ? count[t.b * sh.T + t.t0 + us[i0 + i]] : 0;
+        common = std::min(common, n[i]);
+      }
+      switch (m) {
+        case 4: sum_chains<4>(rows, common, l); break;
+        case 3: sum_chains<3>(rows, common, l); break;
+        case 2: sum_chains<2>(rows, common, l); break;
+        default: sum_chains<1>(rows, common, l); break;
+      }
+      for (int64_t i = 0; i < m; ++i) {
+        for (int64_t x = common; x < n[i]; ++x) l[i] += rows[i][x];
+        if (rows[i]) tasks[i0 + i]->total[us[i0 + i] * g + js[i0 + i]] = l[i];
+      }
+    }
+  }
+
+  template <int M>
+  static void sum_chains(const float* const* rows, int64_t n, float* l) {
+    float a[M] = {};
+    for (int64_t x = 0; x < n; ++x)
+#pragma GCC unroll 4
+      for (int i = 0; i < M; ++i) a[i] += rows[i][x];
+    for (int i = 0; i < M; ++i) l[i] = a[i];
+  }
+
+  // query u's rows (its g heads) of a task, four at a time
+  void softmax(Task& t, int64_t u, float* s) const {
+    Task* tasks[4] = {&t, &t, &t, &t};
+    float* scores[4] = {s, s, s, s};
+    const int64_t us[4] = {u, u, u, u};
+    for (int64_t j0 = 0; j0 < g; j0 += 4) {
+      const int64_t js[4] = {j0, j0 + 1, j0 + 2, j0 + 3};
+      softmax_rows(tasks, us, js, std::min<int64_t>(4, g - j0), scores);
+    }
   }
 
   // heads j .. j + N - 1 of query u (zero weights pad heads past g): the probability-weighted values
@@ -323,9 +384,15 @@ void attend(const AttentionShape& sh, Strided4<const T> q, Strided4<const C> k, 
       }
     });
     const int64_t R = T_ * g;
-    parallel(tasks * R, 1, [&](int64_t begin, int64_t end) {  // each row's softmax
-      for (int64_t item = begin; item < end; ++item)
-        at.softmax(ts[item / R], item % R / g, item % R % g, scores[item / R].data());
+    parallel(tasks * R, 1, [&](int64_t begin, int64_t end) {  // each row's softmax, a thread's rows together
+      std::vector<typename Attender<T, C>::Task*> tp(end - begin);
+      std::vector<int64_t> us(end - begin), js(end - begin);
+      std::vector<float*> sp(end - begin);
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t i = item - begin;
+        tp[i] = &ts[item / R], us[i] = item % R / g, js[i] = item % R % g, sp[i] = scores[item / R].data();
+      }
+      at.softmax_rows(tp.data(), us.data(), js.data(), end - begin, sp.data());
     });
     // the weighted values, 2 or 3 heads at a time; threes by halves of the head dim (a step's three
     // kv heads on 2 threads: a head and a half each, not two and one), a thread's two halves of one
@@ -351,7 +418,7 @@ void attend(const AttentionShape& sh, Strided4<const T> q, Strided4<const C> k, 
       s.assign((t.R + 3) * t.L16, 0.f);
       for (int64_t x0 = 0; x0 < t.L16; x0 += LANES) at.score_block(t, x0, s.data(), w);
       for (int64_t u = 0; u < t.tn; ++u) {
-        for (int64_t j = 0; j < g; ++j) at.softmax(t, u, j, s.data());
+        at.softmax(t, u, s.data());
         for (int64_t j = 0; j < g; j += at.heads_at_once()) at.weigh_heads(t, u, j, -1, s.data());
       }
     }

@@ -95,14 +95,15 @@ struct Q8Weights {
 };
 
 // Weights stream from memory once a pass, and a tile reads a block's cache lines one after another
-// as it multiplies: asking for all of them at once (and for the next block's first ones; non-temporal,
-// as they are read once) keeps several reads in flight. A one-token step of the default target: 3.1
-// against 3.6-4.0 ms without (a 2-core Zen 4, float16 scales; 3.8-4.7 -> 3.2-3.5 with float32
-// scales); on the AVX2 branch 3.9 against 4.0 (the float32-activation kernels of quant.h gained
-// nothing: their multiplies take longer than their reads).
-constexpr int64_t PREFETCH_AHEAD = 256;  // bytes past a block's start (0, 128 and 256 measured alike; 384 up, slower)
+// as it multiplies: asking for all of them at once, Q8_PREFETCH_AHEAD bytes on (non-temporal, as
+// they are read once; the distance is the arch header's, measured per class), keeps several reads
+// in flight. A one-token step of the default target: 3.1 against 3.6-4.0 ms without (a 2-core Zen 4,
+// float16 scales, 256 bytes ahead); on a 2-core Zen 3 (AVX2) 2 KB ahead took its decoder layers
+// 3.04 -> 2.79 ms and its LM head 1.04 -> 0.94 against 256 bytes (1 KB: 2.84 / 0.93; 4 and 8 KB
+// slower again). The float32-activation kernels of quant.h do not prefetch: their multiplies take
+// longer than their reads.
 inline void prefetch_stream(const uint8_t* at, int64_t bytes) {
-  for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(at + PREFETCH_AHEAD + l, 0, 0);
+  for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(at + Q8_PREFETCH_AHEAD + l, 0, 0);
 }
 
 // R rows (from m0) against the 16 outputs of one group; y's columns from n0 (fewer where N ends).
