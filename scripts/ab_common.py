@@ -13,7 +13,7 @@ from pathlib import Path
 
 from speculant.bench.costs import bench_prompts
 from speculant.bench.machine import machine_info
-from speculant.models import native
+from speculant.models import cpu_attention, native, quantized
 
 
 def prompts_by_category(per_category: int) -> list[str]:
@@ -54,8 +54,10 @@ def base_kernels(rev: str):
 
 
 class Kernels:
-    """Which kernels module the next calls use (this tree's, or ``--base``'s): speculant asks
-    ``native.build`` for it at each call."""
+    """Which kernels module the next calls use (this tree's, or ``--base``'s). speculant asks
+    ``native.build`` for it through ``quantized.kernels`` and ``cpu_attention.kernel``, which keep
+    the module they got: both are asked again after each switch. (Until 2026-11-28 they were not:
+    every ``--base`` comparison recorded before ran this tree's kernels on both sides.)"""
 
     def __init__(self, base_rev: str | None):
         self.own, self.build = native.build(), native.build
@@ -64,3 +66,5 @@ class Kernels:
     def use(self, base: bool) -> None:
         module = self.base if base else self.own
         native.build = (lambda isa=(): module) if base else self.build
+        quantized.kernels.cache_clear()
+        cpu_attention.kernel.cache_clear()

@@ -12,8 +12,9 @@ best of 5). Saves JSON.
 ``--llama-cpp PATH``: import llama-cpp-python from PATH (a build of its own: e.g. AVX2 only, to
 compare the AVX2 class on an AVX-512 machine with ``SPECULANT_CPU_ISA=avx2``). ``--base REV``: a
 mode marked ``:base`` (``--modes q8,q8:base``) runs on the CPU kernels of git revision REV (a kernel
-change against the build before it, in one process; with a float32 cache, which kernels before q8's
-float16 cache read only). ``q8:float32-cache``: q8 with a float32 cache (the kernels take either).
+change against the build before it, in one process; a revision before q8's float16 cache, cd2fccd,
+reads a float32 cache only: mark its mode ``:float32-cache`` too). ``q8:float32-cache``: q8 with a
+float32 cache (the kernels take either).
 
     python scripts/plain_per_token.py --out benchmarks/results/NAME
 """
@@ -47,7 +48,7 @@ def ours(mode: str, kernels: Kernels):
     target = load_model("default", device="cpu", dtype=dtype)
     gen = speculant.Generator(target, make_drafter("none", target))
     fast = gen.backend.fast
-    if base or "float32-cache" in options:
+    if "float32-cache" in options:
         fast.cache_dtype = torch.float32
 
     def run(ids, n):
