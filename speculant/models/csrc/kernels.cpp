@@ -19,6 +19,13 @@ void torch_parallel(int64_t n, int64_t grain, const std::function<void(int64_t, 
 }
 const spk::ParallelFor PARALLEL = torch_parallel;
 
+// fn(parallel) with all its loops in one parallel region of PyTorch's threads (core/parallel.h):
+// for the calls that run many small loops (every layer of a pass, an EAGLE head's chain)
+template <typename F>
+void in_one_region(F&& fn) {
+  spk::in_one_region(PARALLEL, at::get_num_threads(), std::forward<F>(fn));
+}
+
 const at::Tensor& rows_of_float(const at::Tensor& t, int64_t width) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.size(-1) == width, "expected contiguous float32 [..., ",
               width, "]");
@@ -299,7 +306,7 @@ std::vector<at::Tensor> run_layers(int64_t handle, const at::Tensor& h, const at
   for (int64_t t : taps) TORCH_CHECK(t >= 0 && t < static_cast<int64_t>(L), "run_layers: a tap outside the layers");
   at::Tensor tapped = torch::empty({B, T, n_taps, H}, h.options());
   const float* src = h.data_ptr<float>();
-  out_of_range_as_error([&] {
+  out_of_range_as_error([&] { in_one_region([&](const spk::ParallelFor& parallel) {
     for (size_t l = 0; l < L; ++l) {
       for (int64_t j = 0; j < n_taps; ++j)
         if (taps[j] == static_cast<int64_t>(l))
@@ -307,11 +314,11 @@ std::vector<at::Tensor> run_layers(int64_t handle, const at::Tensor& h, const at
             std::memcpy(tapped.data_ptr<float>() + (r * n_taps + j) * H, src + r * H, H * sizeof(float));
       a.at.caches = layer_caches(B, b->n_kv, D, k_caches[l], v_caches[l]);
       spk::layer(src, B, T, H, b->layers[l], cos.data_ptr<float>(), sin.data_ptr<float>(), b->n_heads, b->n_kv, D,
-                 a.at, x.data_ptr<float>(), PARALLEL);
+                 a.at, x.data_ptr<float>(), parallel);
       src = x.data_ptr<float>();
       std::swap(x, y);
     }
-  });
+  }); });
   return {y, tapped};  // the last layer's output (swapped into y)
 }
 
@@ -416,7 +423,9 @@ std::vector<at::Tensor> eagle_chain(
   auto lp = torch::empty({B, levels, K}, feats.options());
   int64_t done = 0;
   out_of_range_as_error([&] {
-    done = spk::eagle_chain(e, a.at.caches, B, W, H, c, s, ids.data_ptr<int64_t>(), lp.data_ptr<float>(), PARALLEL);
+    in_one_region([&](const spk::ParallelFor& parallel) {
+      done = spk::eagle_chain(e, a.at.caches, B, W, H, c, s, ids.data_ptr<int64_t>(), lp.data_ptr<float>(), parallel);
+    });
   });
   return {ids.narrow(1, 0, done), lp.narrow(1, 0, done)};
 }

@@ -91,7 +91,7 @@ inline int64_t eagle_chain(const EagleHead& e, const LayerCaches& caches, int64_
     if (t < 0 || t >= e.vocab) throw std::out_of_range("eagle_chain: a token outside the vocabulary");
     std::memcpy(embeds.data() + r * H, e.embed + t * H, H * 4);
   }
-  if (c.input_norm) rms_norm(c.feats, B * W, c.F, c.input_norm, e.layer.eps, fin.data());
+  if (c.input_norm) rms_norm(c.feats, B * W, c.F, c.input_norm, e.layer.eps, fin.data(), parallel);
   apply(c.fc, c.input_norm ? fin.data() : c.feats, B * W, hidden.data(), parallel);
   const BlockAttention up{caches, c.write_at, nullptr, 0, c.count, e.scale};
   eagle_layer(embeds.data(), hidden.data(), B, W, H, e.layer, e.hidden_norm, e.norm_before_residual, c.cos, c.sin, e.n_heads,

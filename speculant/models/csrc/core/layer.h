@@ -19,14 +19,17 @@
 namespace spk {
 
 // HF's RMSNorm over rows of H (a multiple of 16): out = w * (x * (1 / sqrt(mean(x^2) + eps)))
-inline void rms_norm(const float* x, int64_t M, int64_t H, const float* w, float eps, float* out) {
-  for (int64_t r = 0; r < M; ++r) {
-    const float* xr = x + r * H;
-    V16 ss = zero16();
-    for (int64_t i = 0; i < H; i += 16) ss = fma16(load16(xr + i), load16(xr + i), ss);
-    const V16 inv = set16(1.0f / std::sqrt(sum16(ss) / static_cast<float>(H) + eps));
-    for (int64_t i = 0; i < H; i += 16) store16(out + r * H + i, mul16(load16(w + i), mul16(load16(xr + i), inv)));
-  }
+inline void rms_norm(const float* x, int64_t M, int64_t H, const float* w, float eps, float* out,
+                     const ParallelFor& parallel = serial_for) {
+  for_rows(M, H, parallel, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = x + r * H;
+      V16 ss = zero16();
+      for (int64_t i = 0; i < H; i += 16) ss = fma16(load16(xr + i), load16(xr + i), ss);
+      const V16 inv = set16(1.0f / std::sqrt(sum16(ss) / static_cast<float>(H) + eps));
+      for (int64_t i = 0; i < H; i += 16) store16(out + r * H + i, mul16(load16(w + i), mul16(load16(xr + i), inv)));
+    }
+  });
 }
 
 // silu(g) = g / (1 + exp(-g)), from e = exp(-|g|) <= 1 (the vector exp takes arguments <= 0)
@@ -40,26 +43,29 @@ inline V silu(V g) {
 
 // rotary on the first `roped` heads of D of each row of y [M, width]: x * cos + rotate_half(x) * sin,
 // element by element (two roundings and a sum, as PyTorch computes HF's expression)
-inline void rotary(float* y, int64_t M, int64_t width, const float* cos, const float* sin, int64_t roped, int64_t D) {
+inline void rotary(float* y, int64_t M, int64_t width, const float* cos, const float* sin, int64_t roped, int64_t D,
+                   const ParallelFor& parallel = serial_for) {
   const int64_t half = D / 2;
-  std::vector<float> head(D);
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t k = 0; k < roped; ++k) {
-      float* p = y + r * width + k * D;
-      std::memcpy(head.data(), p, D * sizeof(float));
-      for (int64_t i = 0; i < D; ++i) {
-        const float rot = i < half ? -head[i + half] : head[i - half];
-        const float a = head[i] * cos[r * D + i], b = rot * sin[r * D + i];
-        p[i] = a + b;
+  for_rows(M, roped * D, parallel, [&](int64_t r0, int64_t r1) {
+    std::vector<float> head(D);
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t k = 0; k < roped; ++k) {
+        float* p = y + r * width + k * D;
+        std::memcpy(head.data(), p, D * sizeof(float));
+        for (int64_t i = 0; i < D; ++i) {
+          const float rot = i < half ? -head[i + half] : head[i - half];
+          const float a = head[i] * cos[r * D + i], b = rot * sin[r * D + i];
+          p[i] = a + b;
+        }
       }
-    }
+  });
 }
 
 // q/k/v of a block: y [M, qkv.N] = qkv(x), rotary on the first `roped` heads of D
 inline void qkv_rotary(const float* x, int64_t M, const Linear& qkv, const float* cos, const float* sin, int64_t roped,
                        int64_t D, float* y, const ParallelFor& parallel) {
   apply(qkv, x, M, y, parallel);
-  rotary(y, M, qkv.N(), cos, sin, roped, D);
+  rotary(y, M, qkv.N(), cos, sin, roped, D, parallel);
 }
 
 // up to attention: norm, the q/k/v matmul, rotary on the first `roped` heads.
@@ -68,7 +74,7 @@ inline void layer_start(const float* h, int64_t M, int64_t H, const float* ln, f
                         const float* cos, const float* sin, int64_t roped, int64_t D, float* y,
                         const ParallelFor& parallel) {
   std::vector<float> x(M * H);
-  rms_norm(h, M, H, ln, eps, x.data());
+  rms_norm(h, M, H, ln, eps, x.data(), parallel);
   qkv_rotary(x.data(), M, qkv, cos, sin, roped, D, y, parallel);
 }
 
@@ -77,14 +83,18 @@ inline void layer_end(const float* h, const float* attn, int64_t M, int64_t H, c
                       float eps, const Linear& gate_up, const Linear& down, float* out, const ParallelFor& parallel) {
   const int64_t I = gate_up.N() / 2;
   apply(o, attn, M, out, parallel);
-  for (int64_t i = 0; i < M * H; ++i) out[i] = h[i] + out[i];
   std::vector<float> x(M * H), gu(M * 2 * I), act(M * I), d(M * H);
-  rms_norm(out, M, H, ln, eps, x.data());
+  for_rows(M, H, parallel, [&](int64_t r0, int64_t r1) {  // the residual, then its norm
+    for (int64_t i = r0 * H; i < r1 * H; ++i) out[i] = h[i] + out[i];
+    rms_norm(out + r0 * H, r1 - r0, H, ln, eps, x.data() + r0 * H);
+  });
   apply(gate_up, x.data(), M, gu.data(), parallel);
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t i = 0; i < I; i += NATIVE)
-      vstore(act.data() + r * I + i,
-             silu(vload<vn>(gu.data() + r * 2 * I + i)) * vload<vn>(gu.data() + r * 2 * I + I + i));
+  for_rows(M, I, parallel, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t i = 0; i < I; i += NATIVE)
+        vstore(act.data() + r * I + i,
+               silu(vload<vn>(gu.data() + r * 2 * I + i)) * vload<vn>(gu.data() + r * 2 * I + I + i));
+  });
   apply(down, act.data(), M, d.data(), parallel);
   for (int64_t i = 0; i < M * H; ++i) out[i] += d[i];
 }
@@ -174,8 +184,8 @@ inline void eagle_layer(const float* embeds, const float* hidden, int64_t B, int
                         float* out, const ParallelFor& parallel) {
   const int64_t M = B * T;
   std::vector<float> e(M * H), n(M * H), x(M * 2 * H), y(M * (n_heads + 2 * n_kv) * D), a(M * n_heads * D);
-  rms_norm(embeds, M, H, w.ln1, w.eps, e.data());
-  rms_norm(hidden, M, H, hidden_norm, w.eps, n.data());
+  rms_norm(embeds, M, H, w.ln1, w.eps, e.data(), parallel);
+  rms_norm(hidden, M, H, hidden_norm, w.eps, n.data(), parallel);
   for (int64_t r = 0; r < M; ++r) {
     std::memcpy(x.data() + r * 2 * H, e.data() + r * H, H * sizeof(float));
     std::memcpy(x.data() + r * 2 * H + H, n.data() + r * H, H * sizeof(float));

@@ -55,13 +55,12 @@ struct Q8Rows {
   std::vector<int32_t> sum;
 };
 
-inline void quantize_rows(const float* x, int64_t M, int64_t K, Q8Rows& out) {
-  const int64_t blocks = K / BLOCK;
-  out.q.resize(M * K), out.d.resize(M * blocks), out.dsum.resize(M * blocks), out.sum.resize(M * blocks);
+// blocks [b0, b1) of rows of K quantized (a block's values depend on it alone)
+inline void quantize_blocks(const float* x, int64_t b0, int64_t b1, Q8Rows& out) {
   typedef int32_t vni __attribute__((vector_size(sizeof(vn))));
   const vn round = vn{} + 12582912.0f;  // 1.5 * 2^23: (v + round) - round is v rounded to nearest, ties to even
   constexpr int P = BLOCK / NATIVE;     // native vectors a block (the machine's width: see vector.h)
-  for (int64_t i = 0; i < M * blocks; ++i) {
+  for (int64_t i = b0; i < b1; ++i) {
     const float* xb = x + i * BLOCK;
     vn a = {};
     for (int p = 0; p < P; ++p) {
@@ -81,6 +80,13 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, Q8Rows& out) {
     }
     out.d[i] = d, out.sum[i] = s, out.dsum[i] = d * static_cast<float>(s);
   }
+}
+
+inline void quantize_rows(const float* x, int64_t M, int64_t K, Q8Rows& out,
+                          const ParallelFor& parallel = serial_for) {
+  const int64_t blocks = K / BLOCK;
+  out.q.resize(M * K), out.d.resize(M * blocks), out.dsum.resize(M * blocks), out.sum.resize(M * blocks);
+  for_rows(M, K, parallel, [&](int64_t r0, int64_t r1) { quantize_blocks(x, r0 * blocks, r1 * blocks, out); });
 }
 
 struct Q8Weights {
@@ -157,7 +163,7 @@ inline void q8_group(const Q8Rows& a, int64_t M, const Q8Weights& w, int64_t gro
 inline void q8_linear(const float* x, int64_t M, const Q8Weights& w, const float* bias, float* y,
                       const ParallelFor& parallel) {
   Q8Rows a;
-  quantize_rows(x, M, w.K, a);
+  quantize_rows(x, M, w.K, a, parallel);
   const int64_t groups = (w.N + Q8_GROUP - 1) / Q8_GROUP;
   parallel(groups, 4, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/layer.h"
@@ -92,6 +93,13 @@ void halves_for(int64_t n, int64_t, const std::function<void(int64_t, int64_t)>&
 }
 void ones_for(int64_t n, int64_t, const std::function<void(int64_t, int64_t)>& body) {
   for (int64_t i = 0; i < n; ++i) body(i, i + 1);
+}
+// a launcher as a pool gives one: index 0 on the calling thread, each other on a thread of its own
+void threads_for(int64_t n, int64_t, const std::function<void(int64_t, int64_t)>& body) {
+  std::vector<std::thread> members;
+  for (int64_t i = 1; i < n; ++i) members.emplace_back([&body, i] { body(i, i + 1); });
+  body(0, n > 0 ? 1 : 0);
+  for (auto& m : members) m.join();
 }
 
 void check_rows(const std::string& name, const std::vector<float>& block, const std::vector<float>& alone) {
@@ -232,6 +240,16 @@ void layers(Random& rng) {
   spk::layer(h.data(), B, T, H, w, cos.data(), sin.data(), heads, kv, D, at, out.data(), spk::serial_for);
   report("layer", out);
   report("layer cache", kc);
+  // twice more, each loop shared by a team of 3 threads in one region: the same bits
+  std::vector<float> team(out.size());
+  for (int pass = 0; pass < 2; ++pass)
+    spk::in_one_region(threads_for, 3, [&](const spk::ParallelFor& parallel) {
+      spk::layer(h.data(), B, T, H, w, cos.data(), sin.data(), heads, kv, D, at, team.data(), parallel);
+    });
+  if (team != out) {
+    std::printf("FAIL layer: a team's loops change its bits\n");
+    ++failures;
+  }
   {  // q8's float16 cache: the block's keys and values rounded to halves as they are written
     std::vector<spk::f16> kh(kc.size()), vh(vc.size());
     for (size_t i = 0; i < kc.size(); ++i) kh[i] = spk::from_float<spk::f16>(kc[i]), vh[i] = spk::from_float<spk::f16>(vc[i]);
@@ -262,6 +280,32 @@ void layers(Random& rng) {
   }
 }
 
+// row-wise work and an int8 linear over 40 rows, their loops shared by a team of 3 threads: the bits
+// of one thread's
+void rows_in_a_team(Random& rng) {
+  const int64_t M = 40, K = 1536, N = 96;
+  const auto x = rng.floats(M * K, -2, 2), w = rng.floats(K, 0.8f, 1.2f), bias = rng.floats(N, -1, 1);
+  const auto packed = random_q8_packed(rng, N, K, 4, true);
+  const spk::Linear l{{packed.data(), N, K, 4}, bias.data(), true, true};
+  auto run = [&](const spk::ParallelFor& parallel) {
+    std::vector<float> norm(M * K), y(M * N), roped(x);
+    spk::rms_norm(x.data(), M, K, w.data(), 1e-5f, norm.data(), parallel);
+    spk::rotary(roped.data(), M, K, x.data(), x.data() + M * 64, K / 64, 64, parallel);  // any values serve as cos, sin
+    spk::Q8Rows q;
+    spk::quantize_rows(x.data(), M, K, q, parallel);
+    spk::apply(l, x.data(), M, y.data(), parallel);
+    return std::vector<uint64_t>{fnv(norm.data(), norm.size()), fnv(roped.data(), roped.size()),
+                                 fnv(q.q.data(), q.q.size()) ^ fnv(q.d.data(), q.d.size()), fnv(y.data(), y.size())};
+  };
+  const auto alone = run(spk::serial_for);
+  std::vector<uint64_t> team;
+  spk::in_one_region(threads_for, 3, [&](const spk::ParallelFor& parallel) { team = run(parallel); });
+  if (team != alone) {
+    std::printf("FAIL rows: a team's loops change their bits\n");
+    ++failures;
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -283,5 +327,6 @@ int main() {
     attention<float, spk::f16>(rng, "float16 cache", long_context, 6, 2, 64);
   }
   attention<float, spk::f16>(rng, "float16 cache", false, 6, 2, 64, 260);
+  rows_in_a_team(rng);
   return failures ? 1 : 0;
 }
