@@ -484,7 +484,7 @@ class FastLlama:
         return cos[:, :, None], sin[:, :, None]
 
     def _body(self, tokens, positions, idx, keys, values, layout: KeyLayout | None, last_only: bool, mm: _MatmulSet,
-              layers=None, taps: tuple = (), below: int = 0):
+              layers=None, taps: tuple = (), *, below: int):
         """``below``: every position is below it (the slots the pass reads)."""
         h = self.embed(tokens)
         cos, sin = self.rotary(positions, below)

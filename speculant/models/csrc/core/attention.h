@@ -113,7 +113,7 @@ struct Attender {
   struct Task {
     int64_t b, h, t0, tn, R, L, L16;
     const C *kbase, *vbase;
-    std::vector<float> qf;     // the rows' queries [(R + 3), D]; rows R.. zeros (the last group of four's padding)
+    std::vector<float> qf;     // the rows' queries [R, D]
     std::vector<float> vf;     // a 16-bit cache's values at slots 0..L-1 widened (WIDEN_ROWS), else empty
     std::vector<float> total;  // each row's sum of exps
   };
@@ -132,7 +132,7 @@ struct Attender {
           for (int64_t d = 0; d < sh.D; d += NATIVE) vstore(t.vf.data() + x * sh.D + d, load_native(t.vbase + x * v.s2 + d));
       }
     }
-    t.qf.assign((t.R + 3) * sh.D, 0.f);
+    t.qf.assign(t.R * sh.D, 0.f);
     for (int64_t u = 0; u < tn; ++u)
       for (int64_t j = 0; j < g; ++j)
         for (int64_t d = 0; d < sh.D; ++d) t.qf[(u * g + j) * sh.D + d] = to_float(q.at(b, h * g + j, t0 + u, d));
@@ -183,7 +183,7 @@ struct Attender {
     explicit Scratch(int64_t D) : kt(D * LANES), own(D * LANES) {}
   };
 
-  // the scores of keys x0 .. x0 + LANES - 1 for every row of t, into s [(R + 3), L16]
+  // the scores of keys x0 .. x0 + LANES - 1 for every row of t, into s [R, L16]
   void score_block(const Task& t, int64_t x0, float* s, Scratch& w) const {
     const int64_t D = sh.D;
     lay_out_keys(t.kbase, k.s2, x0, t.L, D, w.kt.data());
@@ -369,7 +369,7 @@ void attend(const AttentionShape& sh, Strided4<const T> q, Strided4<const C> k, 
     std::vector<std::vector<float>> scores(tasks);
     for (int64_t i = 0; i < tasks; ++i) {
       at.start(ts[i], i / Hkv, i % Hkv, 0, T_);
-      scores[i].assign((ts[i].R + 3) * ts[i].L16, 0.f);
+      scores[i].assign(ts[i].R * ts[i].L16, 0.f);
     }
     int64_t blocks = 0;  // of the task with the most keys
     for (const auto& t : ts) blocks = std::max(blocks, t.L16 / LANES);
@@ -415,7 +415,7 @@ void attend(const AttentionShape& sh, Strided4<const T> q, Strided4<const C> k, 
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / (Hkv * chunks), h = (item / chunks) % Hkv, t0 = (item % chunks) * Q;
       at.start(t, b, h, t0, std::min(Q, T_ - t0));
-      s.assign((t.R + 3) * t.L16, 0.f);
+      s.assign(t.R * t.L16, 0.f);
       for (int64_t x0 = 0; x0 < t.L16; x0 += LANES) at.score_block(t, x0, s.data(), w);
       for (int64_t u = 0; u < t.tn; ++u) {
         at.softmax(t, u, s.data());
