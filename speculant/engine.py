@@ -20,7 +20,7 @@ from .errors import SpeculantError
 from .models.backend import Backend
 from .rows import PerRow
 from .sampling import LogitsProcessing, SamplingParams, SeededRows, TokenHistory, argmax, row_seed, token_logprobs
-from .tree import block_layout, check_tree, depths, path_block_index, tree_depth
+from .tree import block_layout, check_tree, depths, is_chain, path_block_index, tree_depth
 from .verify import greedy_verify, sample_verify, tree_greedy_verify, tree_sample_verify
 
 
@@ -396,17 +396,24 @@ class Engine:
     def _verify(self, b: "Batch", prop: Proposal) -> None:
         """Score [pending token + drafts] in ONE target pass, accept, and keep exactly the accepted
         text in the cache; the accepted tokens wait in the slots for the next pass's ``_emit``."""
-        block = torch.cat([b.pending[:, None], prop.tokens], dim=1)
-        start = b.state.lengths()
+        plain = prop.tokens.shape[1] == 0  # a pass that verifies nothing: its one token, no rollback
+        block = b.pending[:, None] if plain else torch.cat([b.pending[:, None], prop.tokens], dim=1)
+        start = None if plain else b.state.lengths()
         tree = None
-        if prop.parents is not None:
+        if prop.parents is not None and b.proc.greedy and is_chain(prop.parents, prop.lengths):
+            # a tree that is one chain in every row (an EAGLE head's γ 1, say) verified as the chain:
+            # the same logits (the cache sees the same keys) and, greedy, the same choice (the
+            # tree's walk follows its only child), without the tree's layout and path bookkeeping
+            prop = replace(prop, parents=None)
+        elif prop.parents is not None:
             tree = block_layout(prop.parents)
         out = b.state.append(block, tree=tree, taps=b.taps)
         logits, hidden = out if b.taps else (out, None)
         nxt, n, logp = self._decide(b, logits, prop, seen=None if tree is None else tree[1][:, :, 1:])
         if tree is None:
-            b.state.rollback(start + n + 1)
-            steps = torch.arange(block.shape[1], device=block.device)[None].expand(len(n), -1)
+            if not plain:
+                b.state.rollback(start + n + 1)
+            steps = torch.arange(block.shape[1], device=block.device)[None].expand(len(n), -1) if b.taps else None
             emitted = prop.tokens
         else:
             b.state.keep_path(start, b.path, n)
@@ -414,7 +421,7 @@ class Engine:
             emitted = block.gather(1, steps[:, 1:]) if steps.shape[1] > 1 else block[:, :0]
             if logp is not None:
                 logp = logp.gather(1, steps[..., None].expand(-1, -1, logp.shape[-1]))
-        emitted = torch.cat([emitted, nxt[:, None]], 1).scatter(1, n[:, None], nxt[:, None])
+        emitted = nxt[:, None] if plain else torch.cat([emitted, nxt[:, None]], 1).scatter(1, n[:, None], nxt[:, None])
         fed = [hidden[i, steps[i, : k + 1]] for i, k in enumerate(n.tolist())] if b.taps else None
         self._hand_over(b, nxt, n, emitted, logp, fed)
 

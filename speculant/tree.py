@@ -18,14 +18,11 @@ from .errors import SpeculantError
 
 def check_tree(parents: torch.Tensor, lengths: torch.Tensor) -> None:
     """One line naming what is wrong with a drafter's tree (parents must point to earlier nodes)."""
-    B, N = parents.shape
-    idx = torch.arange(N, device=parents.device)[None]
-    real = idx < lengths[:, None]
-    bad = real & ((parents >= idx) | (parents < -1))
-    if bool(bad.any()):
-        b, i = (int(v) for v in bad.nonzero()[0])
-        raise SpeculantError(f"bad draft tree: node {i} of row {b} has parent {int(parents[b, i])}; a parent "
-                             f"must be an earlier node (0..{i - 1}) or -1 for the root")
+    for b, (row, n) in enumerate(zip(parents.tolist(), lengths.tolist())):  # lists: see below
+        for i, p in enumerate(row[:n]):
+            if not -1 <= p < i:
+                raise SpeculantError(f"bad draft tree: node {i} of row {b} has parent {p}; a parent "
+                                     f"must be an earlier node (0..{i - 1}) or -1 for the root")
 
 
 def _depths_of(row: list[int]) -> list[int]:
@@ -59,6 +56,11 @@ def tree_depth(parents: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """[B] the depth of each row's tree (its longest root-to-leaf path; 0 for no nodes)."""
     most = [max(_depths_of(row)[:n], default=0) for row, n in zip(parents.tolist(), lengths.tolist())]
     return torch.tensor(most, dtype=torch.long, device=parents.device)
+
+
+def is_chain(parents: torch.Tensor, lengths: torch.Tensor) -> bool:
+    """Whether every row's tree is one chain: each real node under the one before it."""
+    return all(row[:n] == list(range(-1, n - 1)) for row, n in zip(parents.tolist(), lengths.tolist()))
 
 
 def block_layout(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -333,6 +333,19 @@ def test_the_eagle_head_on_the_kernels_computes_its_own_forward(tmp_path):
 
 
 @needs_kernel
+def test_the_eagle_heads_rotary_table_gives_each_position_its_formulas_values(tmp_path):
+    """The chain's cos and sin come from a table grown as texts grow: each row exactly what the
+    head's formula gives that position in a call of its own or in a block."""
+    layers = _drafter_for("eagle", _q8_tiny(), tmp_path).kernel_layers
+    g = torch.Generator().manual_seed(0)
+    for below in (40, 300, 1000):
+        block = torch.randint(below, (3, 5), generator=g)
+        for got, want, alone in zip(layers.rope_rows(block, below), layers.rope(block), layers.rope(block[1:2, 2:3])):
+            assert torch.equal(got, want) and torch.equal(got[1:2, 2:3], alone)
+    assert layers._rope_table[0].shape[0] == 1024
+
+
+@needs_kernel
 @pytest.mark.parametrize("gamma", [1, 3, 20])  # 20: past the first level's 8 siblings
 def test_the_eagle_chain_in_one_call_proposes_the_trees_chain(tmp_path, monkeypatch, gamma):
     """Beside a quantized target the EAGLE head's whole proposal is one kernel call (``eagle_chain``:

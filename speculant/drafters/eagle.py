@@ -72,6 +72,7 @@ class KernelLayers:
         first = net.layers[0].self_attn
         self.heads, self.kv_heads, self.head_dim = first.heads, first.kv_heads, first.head_dim
         self.scale = self.head_dim ** -0.5  # scaled_dot_product_attention's
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # every position's, up to a length
 
     @staticmethod
     def fit(net: EagleNet) -> "KernelLayers | None":
@@ -107,6 +108,15 @@ class KernelLayers:
         emb = torch.cat((freqs, freqs), -1)
         return emb.cos().contiguous(), emb.sin().contiguous()
 
+    def rope_rows(self, positions: torch.Tensor, below: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rope(positions)`` for positions below ``below``: rows of a table made once (doubled as
+        texts grow), each the very values ``rope`` gives its position (one elementwise formula):
+        two index ops a call instead of eight (~30 us of a proposal)."""
+        if self._rope_table is None or self._rope_table[0].shape[0] < below:
+            size = max(256, 1 << (below - 1).bit_length())
+            self._rope_table = self.rope(torch.arange(size, device=positions.device))
+        return self._rope_table[0][positions], self._rope_table[1][positions]
+
     def chain(self, feats, tokens, positions, write_at, last, base, levels: int, keys, values, embed_weight,
               outside) -> tuple[torch.Tensor, torch.Tensor]:
         """A whole proposal in one kernel call (``eagle_chain``): the catch-up block (the target's
@@ -114,8 +124,9 @@ class KernelLayers:
         written at ``write_at``, each query seeing the slots up to its position; ``last`` [B] the row
         that drafts), then up to ``levels`` levels of a chain at slots and positions ``base`` + j - 1.
         Returns (draft ids, log-probabilities) [B, L, TOP_K]."""
-        cos, sin = self.rope(positions)
-        step_cos, step_sin = self.rope(base[None] + torch.arange(levels - 1, device=base.device)[:, None])
+        below = int(base.max()) + levels + positions.shape[1]  # past the catch-up's positions and the chain's
+        cos, sin = self.rope_rows(positions, below)
+        step_cos, step_sin = self.rope_rows(base[None] + torch.arange(levels - 1, device=base.device)[:, None], below)
         fc_args, layer_args, head_args = self._chain_weights(outside, embed_weight)
         return self.k.eagle_chain(feats.float().flatten(2).contiguous(), tokens.contiguous(), *fc_args, cos, sin,
                                   write_at.contiguous(), (positions + 1).contiguous(), last, step_cos, step_sin, base,

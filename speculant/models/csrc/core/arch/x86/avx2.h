@@ -96,6 +96,16 @@ inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
 
+// Integer sums may be added in any order, and GCC reorders them: a 4-row tile's 32 products of a
+// block all first, through the stack, then their adds. An empty asm taking each row's sum in a
+// register after a chunk (it emits nothing) keeps the adds with their products: the same sums,
+// a 4-row tile 14 % faster (the decoder layers of a 4-row verify block 4.44 -> 3.83 ms, 3 rows
+// 3.59 -> 3.07, one row 2.49 -> 2.43; a 2-core Zen 3).
+template <int R>
+inline void keep_in_registers(__m256i (*sums)[2], int h) {
+  for (int r = 0; r < R; ++r) asm("" : "+x"(sums[r][h]));
+}
+
 template <int BITS, int R>
 inline void dot_rows(const uint8_t* codes, const int8_t* const* x, const int32_t*, I16* out) {
   __m256i acc[R][2];
@@ -112,6 +122,7 @@ inline void dot_rows(const uint8_t* codes, const int8_t* const* x, const int32_t
         for (int r = 0; r < R; ++r)
           pairs[r][h] = _mm256_add_epi16(pairs[r][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo, x4(x[r] + 8 * c)),
                                                                        _mm256_maddubs_epi16(hi, x4(x[r] + 8 * c + 4))));
+        keep_in_registers<R>(pairs, h);
       }
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < 2; ++h) acc[r][h] = _mm256_madd_epi16(pairs[r][h], _mm256_set1_epi16(1));
@@ -121,6 +132,7 @@ inline void dot_rows(const uint8_t* codes, const int8_t* const* x, const int32_t
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * c + 32 * h));
         const __m256i mag = _mm256_abs_epi8(v);
         for (int r = 0; r < R; ++r) acc[r][h] = dot_u8s8(acc[r][h], mag, _mm256_sign_epi8(x4(x[r] + 4 * c), v));
+        keep_in_registers<R>(acc, h);
       }
   }
   for (int r = 0; r < R; ++r) out[r] = {acc[r][0], acc[r][1]};
