@@ -105,6 +105,44 @@ def test_greedy_identical_to_hf_with_trees(kind, gamma, batch, path):
     assert accepted > 0 or (gamma == "auto" and kind != "oracle"), "no tree node was accepted"
 
 
+class ChainTree(OracleTree):
+    """Proposes the target's next tokens (now and then a wrong one) as a tree that is one chain:
+    node i under node i - 1, rows of unequal lengths."""
+
+    def propose(self, gamma):
+        trees = []
+        for s, row in enumerate(self.rows):
+            ref = self.refs[row][self.done[s] : self.done[s] + min(gamma, 1 + s % 3)]
+            toks = [t if torch.rand(1, generator=self.g) > 0.2 else self._wrong(t) for t in ref]
+            trees.append((toks, list(range(-1, len(toks) - 1)), [0.5] * len(toks)))
+        return tree_proposal(trees, self.device)
+
+
+@pytest.mark.parametrize("path", ["general", "fast"])
+def test_a_tree_that_is_one_chain_is_verified_as_the_chain(path, monkeypatch):
+    """Greedy, a tree whose every row is a chain takes the chain's verify (no tree layout, no
+    cache moves) and keeps plain decoding's text; a tree with a branch still takes the tree's."""
+    import speculant.engine as engine
+
+    target = tiny_llama(0)
+    prompts = _prompts(3)
+    refs = [hf_greedy(target, p, 40) for p in prompts]
+    layouts = []
+    monkeypatch.setattr(engine, "block_layout", lambda parents: layouts.append(parents) or _layout(parents))
+    outs = speculant.generate(target, prompts, drafter=ChainTree(refs, 96), gamma=3, max_new_tokens=40, path=path)
+    for p, ref, out in zip(prompts, refs, outs):
+        assert out.token_ids == ref, mismatch_report(target, p, ref, out.token_ids)
+    assert sum(o.stats["accepted_draft_tokens"] for o in outs) > 10 and not layouts
+    speculant.generate(target, prompts, drafter=OracleTree(refs, 96), gamma=6, max_new_tokens=12, path=path)
+    assert layouts  # branching trees still laid out as trees
+
+
+def _layout(parents):
+    from speculant.tree import block_layout
+
+    return block_layout(parents)
+
+
 @pytest.mark.parametrize("path", ["general", "fast"])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_caches_equal_a_fresh_prefill_after_tree_passes(path, batch):

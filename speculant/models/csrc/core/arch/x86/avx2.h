@@ -99,8 +99,8 @@ inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 // Integer sums may be added in any order, and GCC reorders them: a 4-row tile's 32 products of a
 // block all first, through the stack, then their adds. An empty asm taking each row's sum in a
 // register after a chunk (it emits nothing) keeps the adds with their products: the same sums,
-// a 4-row tile 14 % faster (the decoder layers of a 4-row verify block 4.44 -> 3.83 ms, 3 rows
-// 3.59 -> 3.07, one row 2.49 -> 2.43; a 2-core Zen 3).
+// the decoder layers of a 3-row verify block 4.69 -> 3.97 ms, 4 rows 5.80 -> 5.05, 8 rows
+// 11.49 -> 9.71 after 60 tokens (medians; a 2-core Zen 3: cpu-AVX2-2026-11-28-zen3-q8-tiles).
 template <int R>
 inline void keep_in_registers(__m256i (*sums)[2], int h) {
   for (int r = 0; r < R; ++r) asm("" : "+x"(sums[r][h]));

@@ -1,0 +1,82 @@
+"""A q8 pass by width, this tree's CPU kernels beside a git revision's (``--base``), alternated in
+one process: the default target's 30 decoder layers in one call (``run_layers``) and its LM head,
+for blocks of 1-8 rows after a context of ``--context`` tokens; the median and best of ``--rounds``,
+and whether both builds give every row the same bits.
+
+    python scripts/q8_widths_ab.py --base REV [--context 60] [--widths 1,2,3,4,5,8] [--rounds 15] [--out F.json]
+"""
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import speculant
+from ab_common import base_kernels
+from speculant.bench.machine import machine_info
+from speculant.drafters.registry import make_drafter
+from speculant.models import invariant, native
+from speculant.models.loading import load_model
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base", required=True)
+    p.add_argument("--context", type=int, default=60)
+    p.add_argument("--widths", default="1,2,3,4,5,8")
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--out")
+    a = p.parse_args()
+    torch.set_num_threads(2)
+    widths = [int(w) for w in a.widths.split(",")]
+    target = load_model("default", device="cpu", dtype="q8")
+    fast = speculant.Generator(target, make_drafter("none", target)).backend.fast
+    builds = {"this tree": native.build(), a.base: base_kernels(a.base)}
+    norms, linears, bits = [], [], []
+    for w in fast.pass_set.layers:
+        q = w["quantized"]
+        norms += [w["ln1"], w["ln2"]]
+        for lin in (q["qkv"], q["o"], q["gateup"], q["down"]):
+            linears += lin.args
+            bits.append(lin.weight.bits)
+    handles = {name: m.bind_layers(norms, fast.eps, linears, bits, fast.n_heads, fast.n_kv, fast.head_dim)
+               for name, m in builds.items()}
+    head = fast.pass_set.head.fn
+    keys, values = fast.new_cache(1, a.context + max(widths) + 8)
+    g = torch.Generator().manual_seed(0)
+    fast.prefill(torch.randint(0, 40000, (1, a.context), generator=g), keys, values, last_only=True)
+    times, outs = {}, {}
+    for _ in range(a.rounds):
+        for w in widths:
+            pos = a.context + torch.arange(w)[None]
+            h = fast.embed(torch.randint(0, 40000, (1, w), generator=g))
+            cos, sin = fast.rotary(pos, a.context + w)
+            count = invariant.key_layout(pos + 1, fast.dtype).count
+            for name, m in builds.items():
+                t0 = time.perf_counter()
+                y, _ = m.run_layers(handles[name], h, cos, sin, keys, values, pos, torch.empty(0, 0, 0, dtype=torch.long),
+                                    count, fast.scaling, [])
+                t1 = time.perf_counter()
+                logits = m.quant_linear(y.view(w, -1), head.args, head.weight.bits)
+                times.setdefault((name, w), []).append((t1 - t0, time.perf_counter() - t1))
+                outs[(name, w)] = logits
+    results = {}
+    for w in widths:
+        for name in builds:
+            layers, lm_head = zip(*times[(name, w)])
+            results[f"{name} | {w} rows"] = {
+                "layers_ms": {"median": round(statistics.median(layers) * 1e3, 3), "best": round(min(layers) * 1e3, 3)},
+                "lm_head_ms": {"median": round(statistics.median(lm_head) * 1e3, 3), "best": round(min(lm_head) * 1e3, 3)}}
+            r = results[f"{name} | {w} rows"]
+            print(f"{w} rows  {name:12s} layers {r['layers_ms']['median']:.3f} (best {r['layers_ms']['best']:.3f})  "
+                  f"LM head {r['lm_head_ms']['median']:.3f} (best {r['lm_head_ms']['best']:.3f}) ms", flush=True)
+    same = all(torch.equal(outs[("this tree", w)], outs[(a.base, w)]) for w in widths)
+    print("same bits:", same)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"args": vars(a), "machine": machine_info(), "same_bits": same, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
