@@ -17,6 +17,7 @@ from ab_common import base_kernels
 from speculant.bench.machine import machine_info
 from speculant.drafters.registry import make_drafter
 from speculant.models import invariant, native
+from speculant.models.fast import _NO_SLOTS, BoundLayers
 from speculant.models.loading import load_model
 
 
@@ -33,13 +34,7 @@ def main() -> None:
     target = load_model("default", device="cpu", dtype="q8")
     fast = speculant.Generator(target, make_drafter("none", target)).backend.fast
     builds = {"this tree": native.build(), a.base: base_kernels(a.base)}
-    norms, linears, bits = [], [], []
-    for w in fast.pass_set.layers:
-        q = w["quantized"]
-        norms += [w["ln1"], w["ln2"]]
-        for lin in (q["qkv"], q["o"], q["gateup"], q["down"]):
-            linears += lin.args
-            bits.append(lin.weight.bits)
+    norms, linears, bits = BoundLayers.weights(fast.pass_set.layers)
     handles = {name: m.bind_layers(norms, fast.eps, linears, bits, fast.n_heads, fast.n_kv, fast.head_dim)
                for name, m in builds.items()}
     head = fast.pass_set.head.fn
@@ -55,8 +50,7 @@ def main() -> None:
             count = invariant.key_layout(pos + 1, fast.dtype).count
             for name, m in builds.items():
                 t0 = time.perf_counter()
-                y, _ = m.run_layers(handles[name], h, cos, sin, keys, values, pos, torch.empty(0, 0, 0, dtype=torch.long),
-                                    count, fast.scaling, [])
+                y, _ = m.run_layers(handles[name], h, cos, sin, keys, values, pos, _NO_SLOTS, count, fast.scaling, [])
                 t1 = time.perf_counter()
                 logits = m.quant_linear(y.view(w, -1), head.args, head.weight.bits)
                 times.setdefault((name, w), []).append((t1 - t0, time.perf_counter() - t1))

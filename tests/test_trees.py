@@ -127,20 +127,14 @@ def test_a_tree_that_is_one_chain_is_verified_as_the_chain(path, monkeypatch):
     target = tiny_llama(0)
     prompts = _prompts(3)
     refs = [hf_greedy(target, p, 40) for p in prompts]
-    layouts = []
-    monkeypatch.setattr(engine, "block_layout", lambda parents: layouts.append(parents) or _layout(parents))
+    layouts, layout = [], engine.block_layout
+    monkeypatch.setattr(engine, "block_layout", lambda parents: layouts.append(parents) or layout(parents))
     outs = speculant.generate(target, prompts, drafter=ChainTree(refs, 96), gamma=3, max_new_tokens=40, path=path)
     for p, ref, out in zip(prompts, refs, outs):
         assert out.token_ids == ref, mismatch_report(target, p, ref, out.token_ids)
     assert sum(o.stats["accepted_draft_tokens"] for o in outs) > 10 and not layouts
     speculant.generate(target, prompts, drafter=OracleTree(refs, 96), gamma=6, max_new_tokens=12, path=path)
     assert layouts  # branching trees still laid out as trees
-
-
-def _layout(parents):
-    from speculant.tree import block_layout
-
-    return block_layout(parents)
 
 
 @pytest.mark.parametrize("path", ["general", "fast"])

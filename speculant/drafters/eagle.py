@@ -32,6 +32,7 @@ import torch
 
 from ..models import quantized
 from ..models.cpu_kernels import pack_linears
+from ..models.fast import position_table
 from ..trained import eagle as trained
 from ..trained.eagle import EagleNet
 from ..trained.format import default_taps, load_network, read_config, tensor_names
@@ -110,11 +111,9 @@ class KernelLayers:
 
     def rope_rows(self, positions: torch.Tensor, below: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``rope(positions)`` for positions below ``below``: rows of a table made once (doubled as
-        texts grow), each the very values ``rope`` gives its position (one elementwise formula):
-        two index ops a call instead of eight (~30 us of a proposal)."""
-        if self._rope_table is None or self._rope_table[0].shape[0] < below:
-            size = max(256, 1 << (below - 1).bit_length())
-            self._rope_table = self.rope(torch.arange(size, device=positions.device))
+        texts grow: ``position_table``), each the very values ``rope`` gives its position: two index
+        ops a call instead of eight (~30 us of a proposal)."""
+        self._rope_table = position_table(self._rope_table, below, self.rope, positions.device)
         return self._rope_table[0][positions], self._rope_table[1][positions]
 
     def chain(self, feats, tokens, positions, write_at, last, base, levels: int, keys, values, embed_weight,

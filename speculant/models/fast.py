@@ -199,6 +199,14 @@ class BoundLayers:
 
     def __init__(self, layers: list[dict], n_heads: int, n_kv: int, head_dim: int, eps: float):
         k = quantized.kernels()
+        norms, linears, bits = self.weights(layers)
+        self.handle = k.bind_layers(norms, eps, linears, bits, n_heads, n_kv, head_dim)
+        weakref.finalize(self, k.unbind_layers, self.handle)
+
+    @staticmethod
+    def weights(layers: list[dict]) -> tuple[list, list, list]:
+        """``bind_layers``' weight arguments: the layers' norms, their linears' packed arguments and
+        bit widths, in the kernel's order."""
         norms, linears, bits = [], [], []
         for w in layers:
             q = w["quantized"]
@@ -206,14 +214,23 @@ class BoundLayers:
             for lin in (q["qkv"], q["o"], q["gateup"], q["down"]):
                 linears += lin.args
                 bits.append(lin.weight.bits)
-        self.handle = k.bind_layers(norms, eps, linears, bits, n_heads, n_kv, head_dim)
-        weakref.finalize(self, k.unbind_layers, self.handle)
+        return norms, linears, bits
 
     def __call__(self, h, cos, sin, keys, values, write_at, layout: KeyLayout, scaling: float, taps: tuple = ()):
         """(the last layer's output, the inputs of the layers ``taps`` [B, T, len(taps), H])"""
         return quantized.kernels().run_layers(self.handle, h, cos, sin, keys, values, write_at,
                                               _NO_SLOTS if layout.order is None else layout.order, layout.count,
                                               scaling, list(taps))
+
+
+def position_table(table: tuple | None, below: int, formula, device) -> tuple:
+    """A table of a per-position formula (rotary cos and sin) that holds positions 0..below-1:
+    ``table`` itself, or ``formula`` over a new length (at least 256, doubled as texts grow), so a
+    pass indexes its rows instead of computing them; each row the very values the formula gives
+    that position alone (one elementwise formula)."""
+    if table is None or table[0].shape[0] < below:
+        table = formula(torch.arange(max(256, 1 << (below - 1).bit_length()), device=device))
+    return table
 
 
 def _plain_weights(layer) -> dict:
@@ -478,8 +495,7 @@ class FastLlama:
         if positions.device.type != "cpu":
             cos, sin = self._rope(positions)
         else:
-            if self._rotary_table is None or self._rotary_table[0].shape[0] < below:
-                self._rotary_table = self._rope(torch.arange(max(256, 1 << (below - 1).bit_length())))
+            self._rotary_table = position_table(self._rotary_table, below, self._rope, positions.device)
             cos, sin = self._rotary_table[0][positions], self._rotary_table[1][positions]
         return cos[:, :, None], sin[:, :, None]
 
