@@ -434,9 +434,11 @@ def test_the_eagle_chain_gives_a_row_the_same_bits_alone_beside_another_and_on_e
 @needs_kernel
 @pytest.mark.parametrize("int8", [True, False])  # q8, and quantized (float32 activations)
 def test_every_layer_in_one_call_gives_the_bits_of_a_call_a_layer(q8_kernels, monkeypatch, int8):
-    """A pass runs every bound layer in one kernel call (BoundLayers): the logits and caches of a
-    prefill, a verify block beside another row, a token tree and a pass with taps (the layers'
-    inputs an EAGLE head reads) are those of one call a layer, on every x86 ISA branch (forced builds)."""
+    """A pass runs every bound layer in one kernel call (BoundLayers), and with the model's ends
+    bound the whole pass (embeddings, rotary rows, layers, final norm, LM head: ``run_pass``): the
+    logits and caches of a prefill, a verify block beside another row, a token tree, passes of the
+    last row only and a pass with taps (the layers' inputs an EAGLE head reads, the normed output)
+    are those of one call a layer, on every x86 ISA branch (forced builds)."""
     from speculant.models import fast as fast_module
 
     model = _q8_tiny(seed=6) if int8 else _quantized_tiny(6)
@@ -444,14 +446,19 @@ def test_every_layer_in_one_call_gives_the_bits_of_a_call_a_layer(q8_kernels, mo
     toks = torch.randint(0, 96, (2, 30), generator=g)
     tree = torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]] * 2, dtype=torch.bool)
 
-    def passes(one_call: bool):
+    def passes(how: str):
         fast = fast_module.FastLlama(model)
         calls = []
-        if not one_call:
+        if how == "a call a layer":
             fast.pass_set.all_layers = None
         else:
-            run = fast_module.BoundLayers.__call__
-            monkeypatch.setattr(fast_module.BoundLayers, "__call__", lambda *a: calls.append(1) or run(*a))
+            bound = fast.pass_set.all_layers()
+            assert bound.whole_passes  # the tiny model's LM head is of the GGUF's blocks
+            bound.whole_passes = how == "whole passes"
+            for name in ("__call__", "run_pass"):
+                run = getattr(fast_module.BoundLayers, name)
+                monkeypatch.setattr(fast_module.BoundLayers, name,
+                                    lambda *a, run=run, name=name: calls.append(name) or run(*a))
         with torch.no_grad():
             keys, values = fast.new_cache(2, 40)
             first = torch.arange(20).repeat(2, 1)
@@ -462,10 +469,14 @@ def test_every_layer_in_one_call_gives_the_bits_of_a_call_a_layer(q8_kernels, mo
             out.append(fast.forward(toks[:, 23:27], torch.tensor([[23, 24, 24, 25]] * 2), at, keys, values, tree=tree))
             pos = torch.tensor([[27, 28, 29]] * 2)  # with an EAGLE head's taps: layers' inputs, the normed output
             out.extend(fast.forward(toks[:, 27:30], pos, pos, keys, values, taps=(0, 1, fast.n_layers)))
-        return out, keys + values, len(calls)
+            pos = torch.tensor([[30, 31], [30, 31]])  # the last row's logits only, with and without taps
+            out.append(fast.forward(toks[:, 3:5], pos, pos, keys, values, last_only=True))
+            out.extend(fast.forward(toks[:, 5:7], pos + 2, pos + 2, keys, values, last_only=True, taps=(fast.n_layers, 1)))
+        return out, keys + values, calls
 
-    one, caches, calls = passes(True)
-    per_layer, caches_per_layer, _ = passes(False)
-    assert calls == 4  # each pass ran its layers in one call
-    assert all(torch.equal(a, b) for a, b in zip(one, per_layer))
-    assert all(torch.equal(a, b) for a, b in zip(caches, caches_per_layer))
+    per_layer, caches_per_layer, _ = passes("a call a layer")
+    for how, call in (("every layer in one call", "__call__"), ("whole passes", "run_pass")):
+        one, caches, calls = passes(how)
+        assert calls == [call] * 6, how  # each pass in one call
+        assert all(torch.equal(a, b) for a, b in zip(one, per_layer, strict=True)), how
+        assert all(torch.equal(a, b) for a, b in zip(caches, caches_per_layer)), how

@@ -197,11 +197,16 @@ class BoundLayers:
     there), so a pass whose attention is the compiled kernel runs them all in ONE call: each layer
     exactly as ``quantized_layer`` runs it, without 30 calls' argument conversions (~10 µs a layer)."""
 
-    def __init__(self, layers: list[dict], n_heads: int, n_kv: int, head_dim: int, eps: float):
+    def __init__(self, layers: list[dict], n_heads: int, n_kv: int, head_dim: int, eps: float, ends: tuple = ()):
         k = quantized.kernels()
         norms, linears, bits = self.weights(layers)
         self.handle = k.bind_layers(norms, eps, linears, bits, n_heads, n_kv, head_dim)
         weakref.finalize(self, k.unbind_layers, self.handle)
+        # ``run_pass``: the embeddings, the final norm and the LM head bound too (not in a kernels build of
+        # a revision before it, as the A/B scripts' ``--base`` loads)
+        self.whole_passes = bool(ends) and hasattr(k, "bind_ends")
+        if self.whole_passes:
+            k.bind_ends(self.handle, *ends)
 
     @staticmethod
     def weights(layers: list[dict]) -> tuple[list, list, list]:
@@ -221,6 +226,18 @@ class BoundLayers:
         return quantized.kernels().run_layers(self.handle, h, cos, sin, keys, values, write_at,
                                               _NO_SLOTS if layout.order is None else layout.order, layout.count,
                                               scaling, list(taps))
+
+    def run_pass(self, tokens, positions, rotary_table: tuple, keys, values, write_at, layout: KeyLayout,
+                 scaling: float, taps: tuple, last_only: bool):
+        """A whole pass in one call (``whole_passes``): (logits [B, T or 1, V], the inputs of the layers
+        ``taps`` [B, T, len(taps), H], where the layer count stands for the final norm's output). What
+        the embedding, the rotary rows, ``__call__``, the final norm and the LM head give one by one, the
+        same bits, without their PyTorch calls: run after the layers have streamed ~100 MB through the
+        caches, a one-token step's dozen small calls took ~0.2 ms of its ~3.6 (2-core Zen 3)."""
+        return quantized.kernels().run_pass(self.handle, tokens.contiguous(), positions.contiguous(),
+                                            rotary_table[0], rotary_table[1], keys, values, write_at,
+                                            _NO_SLOTS if layout.order is None else layout.order, layout.count,
+                                            scaling, list(taps), last_only)
 
 
 def position_table(table: tuple | None, below: int, formula, device) -> tuple:
@@ -302,9 +319,16 @@ def quantized_kernels(fast: "FastLlama", plain: list[dict], qweights: dict) -> K
     if all(len(w.get("quantized", ())) == 4 for w in ks.layers) and k is not None and cfg.hidden_size % 16 == 0 \
             and fast.head_dim % 2 == 0:
         ks.layer_fn = quantized_layer
+        head = getattr(ks.head, "fn", None)
+        embed = fast.embed.weight
+        # a pass's ends bound with its layers where they are what the kernels compute: an LM head of
+        # the GGUF's blocks, float32 embeddings looked up as they are
+        ends = (embed, fast.norm.weight, fast.eps, head.args, head.weight.bits) if (
+            isinstance(head, QuantLinear) and hasattr(head, "args") and embed.dtype == torch.float32
+            and embed.is_contiguous() and type(fast.embed) is torch.nn.Embedding) else ()
         # bound at the first pass that runs them all (a model whose attention is not the kernel never is)
         ks.all_layers = functools.cache(lambda: BoundLayers(ks.layers, fast.n_heads, fast.n_kv, fast.head_dim,
-                                                            fast.eps))
+                                                            fast.eps, ends))
         ks.final_norm = lambda h: k.norm(h.contiguous(), fast.norm.weight, fast.eps).view(h.shape)
         ks.invariance = {"layers": "quantized kernels (a row at a time)", "attention": ks.attention.describe(),
                          "lm_head": ks.invariance["linears"]}
@@ -502,11 +526,17 @@ class FastLlama:
     def _body(self, tokens, positions, idx, keys, values, layout: KeyLayout | None, last_only: bool, mm: _MatmulSet,
               layers=None, taps: tuple = (), *, below: int):
         """``below``: every position is below it (the slots the pass reads)."""
+        attend = None if layout is None else PassAttention(self.attention, layout, self.scaling)
+        whole = mm.all_layers is not None and layers is None and getattr(attend, "kernel", False)
+        if whole and mm.all_layers().whole_passes:  # embeddings to logits in one call
+            self._rotary_table = position_table(self._rotary_table, below, self._rope, positions.device)
+            out = mm.all_layers().run_pass(tokens, positions, self._rotary_table, keys, values, idx[1], attend.layout,
+                                           self.scaling, taps, last_only)
+            return out if taps else out[0]
         h = self.embed(tokens)
         cos, sin = self.rotary(positions, below)
-        attend = None if layout is None else PassAttention(self.attention, layout, self.scaling)
         tapped = {}
-        if mm.all_layers is not None and layers is None and getattr(attend, "kernel", False):
+        if whole:
             inner = tuple(i for i in taps if i < self.n_layers)  # the last "tap" is the normed output, below
             h, inputs = mm.all_layers()(h, cos, sin, keys, values, idx[1], attend.layout, self.scaling, inner)  # one call
             tapped = dict(zip(inner, inputs.unbind(2)))

@@ -243,6 +243,13 @@ struct BoundLayers {
   std::vector<at::Tensor> keep;  // the tensors the layers' pointers read
   std::vector<spk::LayerWeights> layers;
   int64_t H, n_heads, n_kv, D;
+  // the model's ends (bind_ends), for run_pass: input embeddings [vocab, H], final norm, LM head
+  bool ends = false;
+  const float* embed = nullptr;
+  int64_t vocab = 0;
+  const float* norm = nullptr;
+  float norm_eps = 0.f;
+  spk::Linear head{};
 };
 std::vector<std::unique_ptr<BoundLayers>> bound_layers;  // by handle; an unbound one is null
 std::mutex bound_mutex;
@@ -279,6 +286,44 @@ void unbind_layers(int64_t handle) {
   bound_layers[handle].reset();
 }
 
+namespace {
+
+const BoundLayers& bound(int64_t handle, const char* who) {
+  std::lock_guard<std::mutex> lock(bound_mutex);
+  TORCH_CHECK(handle >= 0 && handle < static_cast<int64_t>(bound_layers.size()) && bound_layers[handle], who,
+              ": no such handle");
+  return *bound_layers[handle];
+}
+
+// The layers of a pass, for run_layers and run_pass: the block's rows h [B, T, H] (cos, sin [B, T, D])
+// through every bound layer (each as ``layer`` computes it), the inputs of the layers ``taps`` copied
+// into tapped [B, T, n_taps, H] at their place in ``taps`` (other values are not layers' and are left
+// to the caller). Returns the last layer's output: x or y.
+float* run_bound(const BoundLayers& b, const float* h, int64_t B, int64_t T, const float* cos, const float* sin,
+                 std::vector<at::Tensor>& k_caches, std::vector<at::Tensor>& v_caches, Attention& a,
+                 const std::vector<int64_t>& taps, float* tapped, float* x, float* y, const spk::ParallelFor& parallel) {
+  const int64_t H = b.H, n_taps = static_cast<int64_t>(taps.size());
+  const float* src = h;
+  for (size_t l = 0; l < b.layers.size(); ++l) {
+    for (int64_t j = 0; j < n_taps; ++j)
+      if (taps[j] == static_cast<int64_t>(l))
+        for (int64_t r = 0; r < B * T; ++r) std::memcpy(tapped + (r * n_taps + j) * H, src + r * H, H * sizeof(float));
+    a.at.caches = layer_caches(B, b.n_kv, b.D, k_caches[l], v_caches[l]);
+    spk::layer(src, B, T, H, b.layers[l], cos, sin, b.n_heads, b.n_kv, b.D, a.at, x, parallel);
+    src = x;
+    std::swap(x, y);
+  }
+  return const_cast<float*>(src);
+}
+
+void check_caches(const BoundLayers& b, const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
+                  const char* who) {
+  TORCH_CHECK(k_caches.size() == b.layers.size() && v_caches.size() == b.layers.size(), who,
+              ": one key and one value cache a layer");
+}
+
+}  // namespace
+
 // Every bound layer in turn, each as ``layer`` computes it (the same bits). h: [B, T, H]; cos, sin:
 // [B, T, D]; k_caches, v_caches: one [B, n_kv, S, D] a layer; write_at, count: [B, T]; taps: layers
 // whose input comes back too (an EAGLE head's features). Returns (the last layer's output [B, T, H],
@@ -287,39 +332,103 @@ std::vector<at::Tensor> run_layers(int64_t handle, const at::Tensor& h, const at
                                    std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
                                    const at::Tensor& write_at, const at::Tensor& slots, const at::Tensor& count,
                                    double scale, const std::vector<int64_t>& taps) {
-  const BoundLayers* b;
-  {
-    std::lock_guard<std::mutex> lock(bound_mutex);
-    TORCH_CHECK(handle >= 0 && handle < static_cast<int64_t>(bound_layers.size()) && bound_layers[handle],
-                "run_layers: no such handle");
-    b = bound_layers[handle].get();
-  }
-  const size_t L = b->layers.size();
-  TORCH_CHECK(h.dim() == 3 && h.size(2) == b->H, "run_layers: h [B, T, H]");
-  TORCH_CHECK(k_caches.size() == L && v_caches.size() == L, "run_layers: one key and one value cache a layer");
-  const int64_t B = h.size(0), T = h.size(1), H = b->H, D = b->D;
+  const BoundLayers& b = bound(handle, "run_layers");
+  check_caches(b, k_caches, v_caches, "run_layers");
+  TORCH_CHECK(h.dim() == 3 && h.size(2) == b.H, "run_layers: h [B, T, H]");
+  const int64_t B = h.size(0), T = h.size(1), H = b.H, D = b.D;
   rows_of_float(h, H), rows_of_float(cos, D), rows_of_float(sin, D);
   TORCH_CHECK(cos.numel() == B * T * D && sin.numel() == B * T * D, "run_layers: cos, sin [B, T, D]");
-  Attention a = block_attention(B, T, b->n_kv, D, k_caches[0], v_caches[0], write_at, slots, count, scale);
+  Attention a = block_attention(B, T, b.n_kv, D, k_caches[0], v_caches[0], write_at, slots, count, scale);
   at::Tensor x = torch::empty({B, T, H}, h.options()), y = torch::empty({B, T, H}, h.options());
-  const int64_t n_taps = static_cast<int64_t>(taps.size());
-  for (int64_t t : taps) TORCH_CHECK(t >= 0 && t < static_cast<int64_t>(L), "run_layers: a tap outside the layers");
-  at::Tensor tapped = torch::empty({B, T, n_taps, H}, h.options());
-  const float* src = h.data_ptr<float>();
+  for (int64_t t : taps)
+    TORCH_CHECK(t >= 0 && t < static_cast<int64_t>(b.layers.size()), "run_layers: a tap outside the layers");
+  at::Tensor tapped = torch::empty({B, T, static_cast<int64_t>(taps.size()), H}, h.options());
+  float* last = nullptr;
   out_of_range_as_error([&] { in_one_region([&](const spk::ParallelFor& parallel) {
-    for (size_t l = 0; l < L; ++l) {
-      for (int64_t j = 0; j < n_taps; ++j)
-        if (taps[j] == static_cast<int64_t>(l))
-          for (int64_t r = 0; r < B * T; ++r)
-            std::memcpy(tapped.data_ptr<float>() + (r * n_taps + j) * H, src + r * H, H * sizeof(float));
-      a.at.caches = layer_caches(B, b->n_kv, D, k_caches[l], v_caches[l]);
-      spk::layer(src, B, T, H, b->layers[l], cos.data_ptr<float>(), sin.data_ptr<float>(), b->n_heads, b->n_kv, D,
-                 a.at, x.data_ptr<float>(), parallel);
-      src = x.data_ptr<float>();
-      std::swap(x, y);
-    }
+    last = run_bound(b, h.data_ptr<float>(), B, T, cos.data_ptr<float>(), sin.data_ptr<float>(), k_caches, v_caches, a,
+                     taps, tapped.data_ptr<float>(), x.data_ptr<float>(), y.data_ptr<float>(), parallel);
   }); });
-  return {y, tapped};  // the last layer's output (swapped into y)
+  return {last == x.data_ptr<float>() ? x : y, tapped};
+}
+
+// A bound model's ends, for run_pass: embed, its input embeddings float32 [vocab, H]; norm [H] and
+// eps, its final norm; head (packed, bias) and its code bits, its LM head over H inputs.
+void bind_ends(int64_t handle, const at::Tensor& embed, const at::Tensor& norm, double eps,
+               const std::vector<at::Tensor>& head, int64_t head_bits) {
+  std::lock_guard<std::mutex> lock(bound_mutex);
+  TORCH_CHECK(handle >= 0 && handle < static_cast<int64_t>(bound_layers.size()) && bound_layers[handle],
+              "bind_ends: no such handle");
+  BoundLayers& b = *bound_layers[handle];
+  TORCH_CHECK(embed.dim() == 2, "bind_ends: embed [vocab, H]");
+  rows_of_float(embed, b.H), rows_of_float(norm, b.H);
+  b.head = linear_of(head, head_bits, b.H);
+  b.embed = embed.data_ptr<float>(), b.vocab = embed.size(0), b.norm = norm.data_ptr<float>();
+  b.norm_eps = static_cast<float>(eps), b.ends = true;
+  b.keep.insert(b.keep.end(), {embed, norm, head[0], head[1]});
+}
+
+// A whole pass of a bound model in one call (bind_ends): each token's embedding, rotary rows from
+// the tables at its position, every layer as run_layers runs them, the final norm and the LM head
+// over each row (last_only: each batch row's last). tokens, positions, write_at, count: int64 [B, T];
+// cos_table, sin_table: float32 [N, D], rows by position; taps as run_layers', where the layer count
+// stands for the final norm's output. Returns (logits [B, T or 1, vocab out], tapped [B, T, len(taps), H]).
+std::vector<at::Tensor> run_pass(int64_t handle, const at::Tensor& tokens, const at::Tensor& positions,
+                                 const at::Tensor& cos_table, const at::Tensor& sin_table,
+                                 std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
+                                 const at::Tensor& write_at, const at::Tensor& slots, const at::Tensor& count,
+                                 double scale, const std::vector<int64_t>& taps, bool last_only) {
+  const BoundLayers& b = bound(handle, "run_pass");
+  TORCH_CHECK(b.ends, "run_pass: the model's ends are not bound (bind_ends)");
+  check_caches(b, k_caches, v_caches, "run_pass");
+  TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong && tokens.is_contiguous() &&
+                  positions.sizes() == tokens.sizes() && positions.scalar_type() == at::kLong &&
+                  positions.is_contiguous(),
+              "run_pass: tokens and positions int64 [B, T]");
+  const int64_t B = tokens.size(0), T = tokens.size(1), H = b.H, D = b.D, L = static_cast<int64_t>(b.layers.size());
+  TORCH_CHECK(cos_table.dim() == 2 && sin_table.sizes() == cos_table.sizes(), "run_pass: cos and sin tables [N, D]");
+  rows_of_float(cos_table, D), rows_of_float(sin_table, D);
+  const int64_t* tok = tokens.data_ptr<int64_t>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t i = 0; i < B * T; ++i) {
+    TORCH_CHECK(tok[i] >= 0 && tok[i] < b.vocab, "run_pass: token id ", tok[i], " outside the vocabulary (",
+                b.vocab, ")");
+    TORCH_CHECK(pos[i] >= 0 && pos[i] < cos_table.size(0), "run_pass: position ", pos[i], " outside the rotary table");
+  }
+  bool normed_tap = false;
+  for (int64_t t : taps) {
+    TORCH_CHECK(t >= 0 && t <= L, "run_pass: a tap outside the layers");
+    normed_tap |= t == L;
+  }
+  Attention a = block_attention(B, T, b.n_kv, D, k_caches[0], v_caches[0], write_at, slots, count, scale);
+  const auto options = cos_table.options();
+  at::Tensor h = torch::empty({B, T, H}, options), cs = torch::empty({B, T, D}, options), sn = torch::empty({B, T, D}, options);
+  for (int64_t i = 0; i < B * T; ++i) {
+    std::memcpy(h.data_ptr<float>() + i * H, b.embed + tok[i] * H, H * sizeof(float));
+    std::memcpy(cs.data_ptr<float>() + i * D, cos_table.data_ptr<float>() + pos[i] * D, D * sizeof(float));
+    std::memcpy(sn.data_ptr<float>() + i * D, sin_table.data_ptr<float>() + pos[i] * D, D * sizeof(float));
+  }
+  at::Tensor x = torch::empty({B, T, H}, options), y = torch::empty({B, T, H}, options);
+  const int64_t n_taps = static_cast<int64_t>(taps.size()), rows = last_only ? 1 : T;
+  at::Tensor tapped = torch::empty({B, T, n_taps, H}, options);
+  at::Tensor normed = torch::empty({B, rows, H}, options), logits = torch::empty({B, rows, b.head.N()}, options);
+  out_of_range_as_error([&] { in_one_region([&](const spk::ParallelFor& parallel) {
+    float* last = run_bound(b, h.data_ptr<float>(), B, T, cs.data_ptr<float>(), sn.data_ptr<float>(), k_caches,
+                            v_caches, a, taps, tapped.data_ptr<float>(), x.data_ptr<float>(), y.data_ptr<float>(),
+                            parallel);
+    float* out = normed.data_ptr<float>();
+    for (int64_t r = 0; r < B; ++r)  // the head's rows: each batch row's last, or all
+      spk::rms_norm(last + (r * T + T - rows) * H, rows, H, b.norm, b.norm_eps, out + r * rows * H, parallel);
+    if (normed_tap) {  // the final norm's output of every row, as the head's rows get it
+      float* all = x.data_ptr<float>() == last ? y.data_ptr<float>() : x.data_ptr<float>();
+      spk::rms_norm(last, B * T, H, b.norm, b.norm_eps, all, parallel);
+      for (int64_t j = 0; j < n_taps; ++j)
+        if (taps[j] == L)
+          for (int64_t r = 0; r < B * T; ++r)
+            std::memcpy(tapped.data_ptr<float>() + (r * n_taps + j) * H, all + r * H, H * sizeof(float));
+    }
+    spk::apply(b.head, out, B * rows, logits.data_ptr<float>(), parallel);
+  }); });
+  return {logits, tapped};
 }
 
 // EAGLE-3's first layer in one call (core/layer.h): q/k/v over [ln1(embeds), hidden_norm(hidden)].

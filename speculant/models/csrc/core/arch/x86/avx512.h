@@ -128,6 +128,7 @@ inline void dot_rows(const uint8_t* codes, const int8_t* const* x, const int32_t
 }
 
 constexpr int Q8_ROWS = 4;
+constexpr int Q8_ONE_TILE_ROWS = Q8_ROWS;  // no block is one wider tile
 // bytes past a block's start a one-row q8 tile asks for (measured on a 2-core Zen 4: 0, 128 and 256 alike, 384 up slower)
 constexpr int64_t Q8_PREFETCH_AHEAD = 256;
 
