@@ -78,7 +78,7 @@ def passes(dtype: str, rounds: int) -> dict:
 def step_parts(fast: FastLlama, step, rounds: int) -> dict:
     """A one-token step's time and its part in the kernel calls (the rest: Python and PyTorch's small
     ops), as it runs (where the model's ends are bound, one ``run_pass`` call: "pass call") and as the
-    calls that replaces (the layers in one call, the LM head)."""
+    calls it replaces (the layers, in one call or a call a layer; the LM head)."""
     mm = fast.pass_set
     bound = mm.all_layers() if mm.all_layers is not None else None
     cls = fast_module.BoundLayers
@@ -97,15 +97,15 @@ def step_parts(fast: FastLlama, step, rounds: int) -> dict:
             bound.whole_passes = whole
         total = best_ms(step, rounds)
         spent.clear()
-        saved = (cls.__call__, cls.run_pass, mm.head)
+        saved = (cls.__call__, cls.run_pass, mm.layer_fn, mm.head)
         cls.__call__, cls.run_pass = timed("layers", cls.__call__), timed("pass call", cls.run_pass)
-        mm.head = timed("lm_head", mm.head)
+        mm.layer_fn, mm.head = timed("layers", mm.layer_fn), timed("lm_head", mm.head)  # a call a layer (bf16, float32)
         try:
             n = 50
             for _ in range(n):
                 step()
         finally:
-            cls.__call__, cls.run_pass, mm.head = saved
+            cls.__call__, cls.run_pass, mm.layer_fn, mm.head = saved
         got = {k: round(v / n * 1e3, 2) for k, v in spent.items()}
         return {"total": round(total, 2), **got, "rest": round(max(0.0, total - sum(got.values())), 2)}
 
