@@ -14,13 +14,17 @@ compare the AVX2 class on an AVX-512 machine with ``SPECULANT_CPU_ISA=avx2``). `
 mode marked ``:base`` (``--modes q8,q8:base``) runs on the CPU kernels of git revision REV (a kernel
 change against the build before it, in one process; a revision before q8's float16 cache, cd2fccd,
 reads a float32 cache only: mark its mode ``:float32-cache`` too). ``q8:float32-cache``: q8 with a
-float32 cache (the kernels take either).
+float32 cache (the kernels take either). ``float32``: the dequantised model's float32 weights on the
+kernel core; ``float32:onednn``: on oneDNN's packed copies, as before the core took float32;
+``float32:bf16-values``: a copy whose every parameter is rounded to a bfloat16 value (a bf16
+checkpoint loaded in float32: the core keeps bfloat16 copies), ``:float32-weights`` its float32 ones.
 
     python scripts/plain_per_token.py --out benchmarks/results/NAME
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
@@ -35,19 +39,30 @@ from speculant.bench.machine import machine_info
 from speculant.bench.prompts import read_prompts
 from speculant.drafters import make_drafter
 from speculant.models import quantized
-from speculant.models.loading import default_model_path, load_model
+from speculant.models.loading import LoadedModel, default_model_path, load_model
 
 SHORT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
 def ours(mode: str, kernels: Kernels):
-    """(a runner, the bytes of one cached key or value element) for a mode: DTYPE[:base][:float32-cache]"""
+    """(a runner, the bytes of one cached key or value element, the bytes of weights a step streams or
+    None) for a mode: DTYPE[:base][:float32-cache][:onednn][:bf16-values][:float32-weights]"""
     dtype, *options = mode.split(":")
     base = "base" in options
     kernels.use(base)  # the model binds its layers in the module it will run on
     target = load_model("default", device="cpu", dtype=dtype)
-    gen = speculant.Generator(target, make_drafter("none", target))
+    if "bf16-values" in options:  # a bf16 checkpoint loaded in float32: a copy, every parameter a bfloat16 value
+        model = copy.deepcopy(target.model)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.bfloat16().float())
+        target = LoadedModel(model, target.tokenizer, target.name)
+    quantized.BF16_WEIGHTS = "float32-weights" not in options
+    gen = speculant.Generator(target, make_drafter("none", target), kernels="onednn" if "onednn" in options else None)
+    quantized.BF16_WEIGHTS = True
     fast = gen.backend.fast
+    held = [fast.pass_set.head.fn] + [lin for w in fast.pass_set.layers for lin in w.get("quantized", {}).values()]
+    weight_bytes = sum(int(lin.args[0].numel() * lin.args[0].element_size()) for lin in held) if len(held) > 1 else None
     if "float32-cache" in options:
         fast.cache_dtype = torch.float32
 
@@ -55,7 +70,7 @@ def ours(mode: str, kernels: Kernels):
         kernels.use(base)
         return gen.generate_ids([ids], max_new_tokens=n)[0].token_ids
 
-    return run, fast.cache_dtype.itemsize
+    return run, fast.cache_dtype.itemsize, weight_bytes
 
 
 def peer(name: str):
@@ -80,7 +95,7 @@ def step_bytes(mode: str) -> int:
 
     fast = FastLlama(load_model("default", device="cpu", dtype=mode).model)
     heads = [fast.pass_set.head.fn] + [lin for w in fast.pass_set.layers for lin in w["quantized"].values()]
-    return sum(int(lin.args[0].numel()) for lin in heads)
+    return sum(int(lin.args[0].numel() * lin.args[0].element_size()) for lin in heads)
 
 
 def cache_bytes_per_key(config, element: int) -> int:
@@ -122,13 +137,13 @@ def main() -> None:
     fp32 = load_model("default", device="cpu", dtype="float32")
     tok = fp32.tokenizer
     built = {m: ours(m, kernels) for m in modes}
-    runtimes = {f"speculant {m}": run for m, (run, _) in built.items()}
-    per_key = {m: cache_bytes_per_key(fp32.model.config, element) for m, (_, element) in built.items()}
+    runtimes = {f"speculant {m}": run for m, (run, _, _) in built.items()}
+    per_key = {m: cache_bytes_per_key(fp32.model.config, element) for m, (_, element, _) in built.items()}
     runtimes |= {name: peer(name) for name in ("llama.cpp", "openvino") if name in peers.installed()}
     bandwidth = read_bandwidth_gbs()
     results = {"machine": machine_info(), "kernels_isa": quantized.kernels().isa(), "threads": 2, "base": a.base,
                "read_bandwidth_gb_s": round(bandwidth, 1), "prompts": {}}
-    weights = {m: step_bytes(m.split(":")[0]) for m in modes}
+    weights = {m: built[m][2] or step_bytes(m.split(":")[0]) for m in modes}
     results["floor_ms_per_token"] = {m: round(weights[m] / bandwidth / 1e6, 2) for m in modes}  # the weights alone
     for pname, ids in prompts(tok).items():
         best = {name: {"first_token_ms": float("inf"), "total_ms": float("inf")} for name in runtimes}

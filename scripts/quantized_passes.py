@@ -6,11 +6,12 @@ float32 activations) also: each linear kernel of the model alone (a layer's q/k/
 down, the LM head) at the same widths, its weights hot in the caches (µs and multiply-adds a
 second); where a one-token step's time goes (its kernel calls and the rest, as one call and as the
 calls it replaces); and a prompt's prefill by length (the kernels against HF's dense float32
-computation). ``$SPECULANT_CPU_ISA=avx2`` measures the AVX2 branch of the kernels on an AVX-512 CPU
+computation; float32 is the model's own weights on the kernel core, ``float32:onednn`` on oneDNN's
+packed copies). ``$SPECULANT_CPU_ISA=avx2`` measures the AVX2 branch of the kernels on an AVX-512 CPU
 (pair it with ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` for PyTorch's and oneDNN's).
 Saves JSON and a plot.
 
-    python scripts/quantized_passes.py --out benchmarks/results/NAME [--modes q8,quantized]
+    python scripts/quantized_passes.py --out benchmarks/results/NAME [--modes q8,quantized,float32,float32:onednn]
 """
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ from speculant.models.fast import FastLlama
 from speculant.models.loading import load_model
 
 WIDTHS = (1, 2, 3, 4, 5, 8, 16)
-PREFILL_MAX = fast_module.QUANTIZED_PREFILL_MAX
-KERNEL_MODES = ("q8", "quantized")
+PREFILL_MAX = fast_module.QUANTIZED_PREFILL_MAX, fast_module.DENSE_PREFILL_MAX
+KERNEL_MODES = ("q8", "quantized", "float32")  # float32: its own weights on the kernel core
 
 
 def best_ms(fn, rounds: int, reps: int = 10) -> float:
@@ -44,8 +45,10 @@ def best_ms(fn, rounds: int, reps: int = 10) -> float:
 
 
 @torch.inference_mode()  # as the engine runs it (autograd on bf16 one-row matmuls costs seconds)
-def passes(dtype: str, rounds: int) -> dict:
-    fast = FastLlama(load_model("default", device="cpu", dtype=dtype).model)
+def passes(mode: str, rounds: int) -> dict:
+    dtype, *options = mode.split(":")  # float32:onednn: on oneDNN's packed copies, as before the core
+    fast = FastLlama(load_model("default", device="cpu", dtype=dtype).model,
+                     kernels="onednn" if "onednn" in options else None)
     keys, values = fast.new_cache(1, 512)
     tokens = torch.randint(1000, (1, 60), generator=torch.Generator().manual_seed(0))
     fast.prefill(tokens[:, :45], keys, values)
@@ -68,7 +71,7 @@ def passes(dtype: str, rounds: int) -> dict:
     out = {w: round(ms, 2) for w, ms in best.items()}
     extra = {w: round((out[w] - out[1]) / (w - 1) / out[1], 3) for w in WIDTHS if w > 1}
     result = {"kernels": fast.kernels, "ms_per_pass": out, "extra_row_share_of_one_row_pass": extra}
-    if dtype in KERNEL_MODES:
+    if mode in KERNEL_MODES:
         result["linear_kernels"] = linear_kernels(fast, rounds)
         result["one_token_step_ms"] = step_parts(fast, lambda: step(1), rounds)
         result["prefill_ms"] = prefills(fast, dtype)
@@ -120,15 +123,15 @@ def step_parts(fast: FastLlama, step, rounds: int) -> dict:
 def prefills(fast: FastLlama, dtype: str) -> dict:
     """A prompt's prefill (last position's logits) by length through ``FastLlama.prefill``: as one block
     of the passes' kernels (every length let through; q8 always) and HF's dense float32 computation
-    (none let through; quantized only); best of 3."""
+    (none let through; quantized and float32 only); best of 3."""
     out = {}
-    ways = (("kernels", 1 << 30),) + ((("hf dense float32", 0),) if dtype == "quantized" else ())
+    ways = (("kernels", 1 << 30),) + ((("hf dense float32", 0),) if dtype in ("quantized", "float32") else ())
     try:
         for n in (25, 128, 300, 600, 1500):
             tokens = torch.randint(1000, (1, n), generator=torch.Generator().manual_seed(n))
             row = {}
             for name, most in ways:
-                fast_module.QUANTIZED_PREFILL_MAX = most
+                fast_module.QUANTIZED_PREFILL_MAX = fast_module.DENSE_PREFILL_MAX = most
                 best = float("inf")
                 for _ in range(2 if n >= 600 else 3):
                     keys, values = fast.new_cache(1, 2048)
@@ -138,7 +141,7 @@ def prefills(fast: FastLlama, dtype: str) -> dict:
                 row[name] = round(best * 1e3, 1)
             out[n] = row
     finally:
-        fast_module.QUANTIZED_PREFILL_MAX = PREFILL_MAX
+        fast_module.QUANTIZED_PREFILL_MAX, fast_module.DENSE_PREFILL_MAX = PREFILL_MAX
     return out
 
 

@@ -119,9 +119,10 @@ def save_tiny_folder(path, vocab: int = 96, seed: int = 0, context: int = 512, h
 
 
 # The CPU fast path's matmul kernels (speculant.models.cpu_kernels), each forced on any machine:
-# "auto" is what this CPU picks; "fp32-blocks" is what bf16 gets on a CPU without oneDNN bf16 (AVX2),
-# forced on AVX-512 machines too; "aten" is plain F.linear everywhere.
-KERNEL_CHOICES = ["auto", "fp32-blocks", "aten"]
+# "auto" is what this CPU picks (float32: the kernel core, where it builds); "onednn" oneDNN's packed
+# copies; "fp32-blocks" is what bf16 gets on a CPU without oneDNN bf16 (AVX2), forced on AVX-512
+# machines too; "aten" is plain F.linear everywhere.
+KERNEL_CHOICES = ["auto", "onednn", "fp32-blocks", "aten"]
 
 
 class Served:

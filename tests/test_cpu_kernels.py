@@ -82,7 +82,7 @@ def test_plans_per_dtype(monkeypatch):
         with pytest.raises(SpeculantError, match="cannot pack"):
             cpu_kernels.plan(torch.bfloat16, big, forced)
     monkeypatch.undo()
-    monkeypatch.setattr(cpu_kernels, "_available_bytes", lambda: 3 * big)  # a copy would not fit
+    monkeypatch.setattr(cpu_kernels, "available_bytes", lambda: 3 * big)  # a copy would not fit
     assert cpu_kernels.plan(torch.float32, big).step_pack is None
 
 

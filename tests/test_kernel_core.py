@@ -1,7 +1,8 @@
 """The kernel core (speculant/models/csrc/core: plain C++, no PyTorch) on every ISA branch.
 
 The core's harness (csrc/harness/harness.cpp) runs every kernel (quantized linears of both
-formats at many widths, attention over chains and trees in float32, bfloat16 and float16, a whole
+formats and linears over float32 and bfloat16 weights at many widths, the latter checked against
+their blocks' and float32 values' bits, attention over chains and trees in float32, bfloat16 and float16, a whole
 decoder layer, the norm) on inputs it makes itself, checks width invariance, and prints a hash of
 each output. Built for each branch, it must print the same lines: the AVX-512, AVX2 and plain C++
 branches on any x86 CPU, and the ARM NEON branch (with and without the dot-product extension) and

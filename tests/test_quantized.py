@@ -21,7 +21,7 @@ from speculant.drafters import default_drafter, make_drafter, shipped_drafter
 from speculant.errors import SpeculantError
 from speculant.models import quantized
 from speculant.models.loading import LoadedModel, load_model
-from speculant.models.quantized import QuantLinear, QuantWeight
+from speculant.models.quantized import DenseWeight, QuantLinear, QuantWeight
 from helpers import hf_greedy, mismatch_report, save_tiny_folder, tiny_llama
 from test_invariance import KINDS, _drafter as invariance_drafter, _prompts as invariance_prompts
 
@@ -109,6 +109,33 @@ def test_every_isa_branch_gives_the_same_bits(monkeypatch, bits):
 
 
 @needs_kernel
+@pytest.mark.parametrize("out_features,in_features,bias", [(96, 64, False), (150, 544, True), (13, 32, False)])
+def test_float32_weights_on_the_kernels_give_their_blocks_bits(isa_kernels, out_features, in_features, bias):
+    """A float32 weight as a model holds it (``DenseWeight``, bits 32) is multiplied in the order of a
+    block's dequantised weights: a dequantised model gets its blocks' very bits, at every width."""
+    g = torch.Generator().manual_seed(in_features)
+    # float16 scales and mins (as a GGUF's): code * scale is exact, so the dequantised weight is the
+    # kernel's fma(code, scale, min) too
+    w = QuantWeight.quantize(torch.randn(out_features, in_features, generator=g), 4, halves=True)
+    b = torch.randn(out_features, generator=g) if bias else None
+    dense, blocks = QuantLinear(DenseWeight(w.dequantize()), b), QuantLinear(w, b)
+    x = torch.randn(40, in_features, generator=g)
+    alone = torch.cat([dense(x[i : i + 1]) for i in range(len(x))])
+    assert torch.equal(alone, blocks(x))
+    for m in list(range(1, 18)) + [33, 40]:
+        assert torch.equal(dense(x[len(x) - m :]), alone[len(x) - m :]), f"the last {m} rows"
+    free = torch.randn(out_features, in_features, generator=g)  # any float32 weight, not only a block's
+    torch.testing.assert_close(QuantLinear(DenseWeight(free))(x).double(), x.double() @ free.double().T,
+                               rtol=1e-5, atol=1e-4)
+    # kept in bfloat16 (a bf16 checkpoint's values): the bits of those values in float32, at every width
+    halves = QuantLinear(DenseWeight.bfloat16_of(free), b)
+    assert torch.equal(halves.weight.dequantize(), free.bfloat16().float())
+    assert torch.equal(halves(x), QuantLinear(DenseWeight(free.bfloat16().float()), b)(x))
+    for m in (1, 2, 5, 9):
+        assert torch.equal(halves(x[:m]), halves(x)[:m]), f"{m} rows, bfloat16"
+
+
+@needs_kernel
 def test_layer_kernels_width_invariant_and_right(isa_kernels):
     """layer_start (norm, q/k/v, rotary), layer_end (o, residual, norm, gate/up, SiLU, down, residual)
     and the final norm against the same math in float64, and each row alone against any width."""
@@ -153,15 +180,16 @@ def test_layer_kernels_width_invariant_and_right(isa_kernels):
     torch.testing.assert_close(end(slice(None)).double(), want, rtol=1e-4, atol=1e-4)
 
 
-def _quantized_tiny(seed: int = 0):
+def _quantized_tiny(seed: int = 0, halves: bool = False):
     """A tiny Llama whose linears are quantized (4-bit, the LM head 8-bit) and whose dense weights
-    are the dequantised ones: HF generate on it is the reference for the quantized path."""
+    are the dequantised ones: HF generate on it is the reference for the quantized path. ``halves``:
+    float16 scales and mins, as a GGUF's (the dense weights then the kernels' very values)."""
     model = tiny_llama(seed=seed, vocab=96, layers=4, hidden=64)
     weights = {}
     with torch.no_grad():
         for name, mod in model.named_modules():
             if isinstance(mod, torch.nn.Linear):
-                w = QuantWeight.quantize(mod.weight, 8 if name == "lm_head" else 4)
+                w = QuantWeight.quantize(mod.weight, 8 if name == "lm_head" else 4, halves=halves)
                 mod.weight.copy_(w.dequantize())
                 weights[name] = w
     model.speculant_quantized = weights
@@ -225,6 +253,91 @@ def test_tiny_quantized_plain_agrees_with_hf_on_dequantised_weights():
         gap = float(logits[ref[i]] - logits[got[i]])
         assert gap < 1e-3, mismatch_report(model, prompt, ref, got)
     assert agree >= 3
+
+
+@needs_kernel
+def test_a_float32_model_runs_on_the_kernels_with_its_blocks_bits():
+    """A float32 model on the CPU runs every pass on the kernel core over its own weights: over the
+    dequantised weights of a quantized model, plain and speculative decoding give the quantized
+    path's tokens and logits bit for bit. The model's q/k/v and gate/up become views of one stacked
+    weight each (no second copy), their values and HF's own forward unchanged; ``kernels="onednn"``
+    still asks for oneDNN's packed copies."""
+    blocks = _quantized_tiny(seed=5, halves=True)
+    model = _quantized_tiny(seed=5, halves=True)
+    del model.speculant_quantized
+    prompt = invariance_prompts(1)[0]
+    with torch.no_grad():
+        before = model(torch.tensor([prompt])).logits
+    q_before = model.model.layers[1].self_attn.q_proj.weight.clone()
+    gens = {name: speculant.Generator(LoadedModel(m, None, "tiny"), make_drafter(drafter, m), gamma=4, **kw)
+            for name, m, drafter, kw in (("blocks", blocks, "none", {}), ("core", model, "none", {}),
+                                         ("core ngram", model, "ngram", {}),
+                                         ("onednn", model, "none", {"kernels": "onednn"}))}
+    outs = {name: gen.generate_ids(invariance_prompts(4), max_new_tokens=24) for name, gen in gens.items()}
+    assert outs["core"][0].stats["cpu_kernels"].startswith("float32 on the kernel core")
+    assert outs["onednn"][0].stats["cpu_kernels"].startswith("onednn")
+    for name in ("core", "core ngram"):
+        assert [o.token_ids for o in outs[name]] == [o.token_ids for o in outs["blocks"]], name
+        assert outs[name][0].stats["exact"] == "bitwise"
+    assert sum(o.stats["accepted_draft_tokens"] for o in outs["core ngram"]) > 0
+    fasts = [gens[name].backend.fast for name in ("blocks", "core")]
+    ids = torch.tensor([prompt])
+    logits = []
+    for fast in fasts:
+        keys, values = fast.new_cache(1, 64)
+        n = len(prompt)
+        fast.prefill(ids[:, :-1], keys, values)
+        step = (ids[:, -1:], torch.tensor([[n - 1]]), torch.tensor([[n - 1]]))
+        logits.append(fast.forward(*step, keys, values))
+    assert torch.equal(logits[0], logits[1])
+    attn = model.model.layers[1].self_attn
+    stacked = fasts[1].pass_set.layers[1]["quantized"]["qkv"].weight.tensor
+    again = gens["core ngram"].backend.fast.pass_set.layers[1]["quantized"]["qkv"].weight.tensor
+    assert attn.q_proj.weight.data_ptr() == stacked.data_ptr() == again.data_ptr()  # a second fast path: no copy
+    assert torch.equal(attn.q_proj.weight, q_before)
+    assert attn.v_proj.weight.data_ptr() == stacked[-attn.v_proj.weight.shape[0]:].data_ptr()
+    with torch.no_grad():
+        assert torch.equal(model(torch.tensor([prompt])).logits, before)
+
+
+@needs_kernel
+def test_a_bf16_checkpoints_float32_model_streams_bfloat16_for_the_same_bits(monkeypatch):
+    """A float32 model whose every weight is a bfloat16 value (a bf16 checkpoint loaded in float32)
+    runs on bfloat16 copies of them: half the bytes a pass, and the tokens and logits of its float32
+    weights exactly. A model with one weight that is not such a value keeps float32."""
+    model = tiny_llama(seed=6, vocab=96, layers=2, hidden=64)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
+    target = LoadedModel(model, None, "tiny")
+
+    def run(drafter):
+        gen = speculant.Generator(target, make_drafter(drafter, target), gamma=4)
+        return gen, gen.generate_ids(invariance_prompts(4), max_new_tokens=24)
+
+    halves, plain = run("none")
+    _, drafted = run("ngram")
+    monkeypatch.setattr(quantized, "BF16_WEIGHTS", False)
+    whole, wide = run("none")
+    assert "bfloat16 values" in plain[0].stats["cpu_kernels"]
+    assert "bfloat16" not in wide[0].stats["cpu_kernels"]
+    fasts = [halves.backend.fast, whole.backend.fast]
+    assert fasts[0].pass_set.layers[0]["quantized"]["down"].weight.tensor.dtype == torch.bfloat16
+    assert fasts[1].pass_set.layers[0]["quantized"]["down"].weight.tensor.dtype == torch.float32
+    for outs in (drafted, wide):
+        assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    ids = torch.tensor([invariance_prompts(1)[0]])
+    logits = []
+    for fast in fasts:
+        keys, values = fast.new_cache(1, 64)
+        n = ids.shape[1]
+        fast.prefill(ids[:, :-1], keys, values)
+        logits.append(fast.forward(ids[:, -1:], torch.tensor([[n - 1]]), torch.tensor([[n - 1]]), keys, values))
+    assert torch.equal(logits[0], logits[1])
+    monkeypatch.setattr(quantized, "BF16_WEIGHTS", True)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[0, 0] = 1.0 + 2.0 ** -20  # no bfloat16 value
+    assert all(w.bits == 32 for w in quantized.dense_weights(model).values())
 
 
 def test_quantized_needs_a_gguf_on_the_cpu(tmp_path):

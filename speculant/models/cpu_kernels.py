@@ -30,7 +30,7 @@ import torch
 
 from ..errors import SpeculantError
 
-KERNEL_CHOICES = ("auto", "onednn", "fp32-blocks", "aten")
+KERNEL_CHOICES = ("auto", "core", "onednn", "fp32-blocks", "aten")
 ENV = "SPECULANT_CPU_KERNELS"
 
 
@@ -146,7 +146,7 @@ class KernelPlan:
     hint: int = 1
 
 
-def _requested(kernels: str | None) -> str:
+def requested(kernels: str | None) -> str:
     choice = kernels or os.environ.get(ENV) or "auto"
     if choice not in KERNEL_CHOICES:
         raise SpeculantError(f"unknown CPU kernel choice {choice!r} ({ENV} or kernels=): use one of "
@@ -155,8 +155,11 @@ def _requested(kernels: str | None) -> str:
 
 
 def plan(dtype: torch.dtype, weight_bytes: int, kernels: str | None = None) -> KernelPlan:
-    """The kernels for a model of this dtype and size on this CPU."""
-    choice = _requested(kernels)
+    """The kernels for a model of this dtype and size on this CPU (``core``, the kernel core's, is
+    ``fast.choose_kernels``' choice for float32 models: "auto" here)."""
+    choice = requested(kernels)
+    if choice == "core":
+        choice = "auto"
     if choice == "aten":
         return KernelPlan("aten (F.linear)", None, None)
     f32 = onednn_packs(torch.float32)
@@ -177,12 +180,12 @@ def plan(dtype: torch.dtype, weight_bytes: int, kernels: str | None = None) -> K
             raise SpeculantError(f"oneDNN cannot pack {str(dtype).removeprefix('torch.')} weights on this CPU "
                                  f"({cpu_capability()}): unset {ENV} or use kernels='auto'")
         return KernelPlan(f"aten (F.linear; no oneDNN packing for {str(dtype).removeprefix('torch.')})", None, None)
-    if choice == "auto" and extra > _available_bytes() // 4:
+    if choice == "auto" and extra > available_bytes() // 4:
         return KernelPlan("aten (F.linear; too little free memory for packed copies)", None, None)
     return want
 
 
-def _available_bytes() -> int:
+def available_bytes() -> int:
     try:
         return int(psutil.virtual_memory().available)
     except Exception:  # unreadable /proc: assume plenty

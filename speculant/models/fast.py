@@ -29,7 +29,7 @@ from ..rows import PerRow
 from . import cpu_kernels, invariant, quantized
 from .cpu_kernels import PackedLinear
 from .invariant import FLinear, KeyLayout, RowLinear
-from .quantized import QuantLinear, QuantWeight
+from .quantized import DenseWeight, QuantLinear, QuantWeight
 
 FAST_MODEL_TYPES = {"llama", "mistral", "qwen2"}
 MATMULS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -86,6 +86,11 @@ def _linear(x, w: dict, name: str):
 def _window(fn, kind, dtype: torch.dtype, device: str) -> invariant.Rows:
     """The rows window of a matmul like ``fn``: F.linear (``kind`` None), packed as (compute, hint),
     or over quantized weights."""
+    if isinstance(fn, QuantLinear) and isinstance(fn.weight, DenseWeight):
+        bits = fn.weight.bits
+        return invariant.linear_rows(f"kernel core {bits}-bit weights", lambda w, b: QuantLinear(
+            DenseWeight.bfloat16_of(w) if bits == 16 else DenseWeight(w.contiguous()), b),
+                                     dtype, fn.in_features, fn.out_features, fn.bias is not None, device)
     if isinstance(fn, QuantLinear):
         bits, int8 = fn.weight.bits, fn.int8
         return invariant.linear_rows(f"quantized {bits}-bit" + (" int8" if int8 else ""),
@@ -149,6 +154,9 @@ _NO_SLOTS = torch.empty(0, 0, 0, dtype=torch.long)
 # float32 matmuls (25 tokens: 58 against 133 ms, 128: 270 against 347) and slower from a few hundred
 # (600: 1.31 s against 1.09; a 2-core Zen 4, benchmarks/results/cpu-AVX512BF16-2026-11-26-quantized-roofline)
 QUANTIZED_PREFILL_MAX = 128
+# over a float32 model's own weights (``core_kernels``) from fewer: their rows cost more to multiply
+# than blocks' (16 tokens: 92 against 116 ms; 32: 183 against 155; a 2-core Zen 3)
+DENSE_PREFILL_MAX = 24
 
 
 def _kernel_attention(attention: invariant.Attention) -> bool:
@@ -264,8 +272,10 @@ def _plain_weights(layer) -> dict:
 class KernelSet(_MatmulSet):
     """The kernels every pass after the prefill runs, behind one interface: ``layer_fn`` over each
     layer's weights, the LM head, the final norm, the attention; ``name`` and ``invariance`` are what
-    the stats report of them. Made by one of ``compiled_kernels``, ``dense_kernels`` and
-    ``quantized_kernels``, chosen in one place: ``choose_kernels``."""
+    the stats report of them. Made by one of ``compiled_kernels``, ``dense_kernels``,
+    ``quantized_kernels`` and ``core_kernels``, chosen in one place: ``choose_kernels``."""
+
+    dense = False  # a float32 model's own weights on the kernels (``core_kernels``)
 
     def __init__(self, name: str, layers: list[dict], head, layer_fn, attention, invariance: dict, final_norm=None):
         super().__init__(layers, head, layer_fn, final_norm)
@@ -275,12 +285,39 @@ class KernelSet(_MatmulSet):
 def choose_kernels(fast: "FastLlama", plain: list[dict], compile: bool, kernels: str | None,
                    qweights: dict | None) -> KernelSet:
     """The one place a model's kernel set is chosen: compiled where asked; a GGUF's quantized blocks on
-    a CPU in float32; else dense matmuls (CUDA's, or per CPU: oneDNN packs or F.linear)."""
+    a CPU in float32; a float32 model's own weights on the CPU kernels (``kernels`` auto or core, where
+    they build and take every linear); else dense matmuls (CUDA's, or per CPU: oneDNN packs or F.linear)."""
     if compile:
         return compiled_kernels(fast, plain)
     if qweights and fast.device.type == "cpu" and fast.dtype == torch.float32:
         return quantized_kernels(fast, plain, qweights)
+    if fast.device.type == "cpu" and fast.dtype == torch.float32 and cpu_kernels.requested(kernels) in ("auto", "core"):
+        dense = quantized.dense_weights(fast.hf_model)
+        if dense is not None:
+            return core_kernels(fast, plain, dense)
     return dense_kernels(fast, plain, kernels)
+
+
+def core_kernels(fast: "FastLlama", plain: list[dict], dense: dict) -> KernelSet:
+    """A float32 model's own weights on the kernels a GGUF's blocks run on (``quantized_kernels``): every
+    layer and the LM head in one call a pass, the weights read as the model holds them (a oneDNN
+    pack was a second copy, and its step ~2x the bytes' time on a 2-core Zen 3), or a bfloat16 copy
+    where every value is a bfloat16 one (``quantized.dense_weights``: half the bytes, the same bits).
+    q/k/v and gate/up are stacked into one weight each; of float32 weights, the model's own modules
+    then read views of it (no second copy; the values, and so HF's prefill, unchanged)."""
+    ks = quantized_kernels(fast, plain, dense)
+    ks.dense = True
+    for i, w in enumerate(ks.layers):
+        for name, group in (("qkv", ("q", "k", "v")), ("gateup", ("gate", "up"))):
+            linear = w.get("quantized", {}).get(name)
+            if linear is None or linear.weight.bits != 32:
+                continue
+            rows = 0
+            for n in group:
+                param = plain[i][n]
+                param.data = linear.weight.tensor[rows : rows + param.shape[0]]
+                rows += param.shape[0]
+    return ks
 
 
 def compiled_kernels(fast: "FastLlama", plain: list[dict]) -> KernelSet:
@@ -440,13 +477,15 @@ class FastLlama:
     def prefill(self, tokens, keys, values, last_only: bool = False, taps: tuple = ()):
         """One prompt [1, n] from position 0 into a cache row (views [1, ...]): HF's own computation
         (causal SDPA over the prompt, HF's F.linear), whatever other rows the cache holds. Over
-        quantized weights a prompt of up to ``QUANTIZED_PREFILL_MAX`` tokens runs as one block of the
-        passes' kernels instead (float32 too, each row alone: its cache is the one one-token steps
-        would write), where they are faster than the dense float32 matmuls; with int8 activations
+        quantized weights a prompt of up to ``QUANTIZED_PREFILL_MAX`` tokens (over a float32 model's own
+        weights on the kernels ``DENSE_PREFILL_MAX``) runs as one block of the passes' kernels instead
+        (each row alone: its cache is the one one-token steps would write), where they are faster
+        than HF's dense float32 matmuls; with int8 activations
         (``q8``) every prompt does: that mode is int8 arithmetic throughout."""
         n = tokens.shape[1]
         positions = torch.arange(n, device=tokens.device)[None]
-        if self.pass_set.layer_fn is quantized_layer and (n <= QUANTIZED_PREFILL_MAX or self.int8):
+        most = DENSE_PREFILL_MAX if self.pass_set.dense else QUANTIZED_PREFILL_MAX
+        if self.pass_set.layer_fn is quantized_layer and (n <= most or self.int8):
             return self.forward(tokens, positions, positions, keys, values, last_only, taps=taps)
         idx = (torch.zeros_like(positions), positions)
         keys, values = [k[:, :, :n] for k in keys], [v[:, :, :n] for v in values]
@@ -579,7 +618,7 @@ def _packed(fast: "FastLlama", plain: list[dict], compute: torch.dtype, hint: in
     return layers, head
 
 
-def _quantized(fast: "FastLlama", plain: list[dict], qweights: dict[str, QuantWeight]):
+def _quantized(fast: "FastLlama", plain: list[dict], qweights: dict[str, QuantWeight | DenseWeight]):
     """Every matmul of the passes after the prefill over the GGUF's own quantized weights
     (``quantized``), q/k/v and gate/up each one matmul (each output is its own dot product in
     that kernel, so stacking changes no bits); a matmul without quantized weights stays F.linear.
@@ -594,7 +633,7 @@ def _quantized(fast: "FastLlama", plain: list[dict], qweights: dict[str, QuantWe
                 biases = [w.get(n + "_bias") for n in group]
                 bias = None if all(b is None for b in biases) else torch.cat(
                     [b if b is not None else w[n].new_zeros(w[n].shape[0]) for n, b in zip(group, biases)])
-                w["".join(group) + "_packed"] = QuantLinear(QuantWeight.stacked(parts), bias, fast.int8)
+                w["".join(group) + "_packed"] = QuantLinear(type(parts[0]).stacked(parts), bias, fast.int8)
                 w.setdefault("quantized", {})["".join(group)] = w["".join(group) + "_packed"]  # unwindowed
             else:  # F.linear over the dense weights, windowed like the rest
                 dense += len(group)
@@ -607,6 +646,9 @@ def _quantized(fast: "FastLlama", plain: list[dict], qweights: dict[str, QuantWe
         dense += 1
         head = FLinear(fast.lm_head.weight, fast.lm_head.bias)
     k = quantized.kernels()
+    if all(q.bits in (16, 32) for q in qweights.values()):
+        held = " over its weights' bfloat16 values" if any(q.bits == 16 for q in qweights.values()) else ""
+        return layers, head, f"float32 on the kernel core{held} ({k.isa()})"
     mode = "q8 (int8 activations" if fast.int8 else "quantized (float32 activations"
     return layers, head, f"{mode}; {quantized.describe(qweights, dense)}; {k.isa() if k else 'PyTorch ops'})"
 

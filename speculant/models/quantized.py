@@ -102,6 +102,92 @@ class QuantWeight:
         return QuantWeight(_pack_nibbles(q), scale, lo, 4, "Q4")
 
 
+@dataclass
+class DenseWeight:
+    """A float32 model's own weight [out, in] for the kernels as it is held (``bits`` 32: not packed,
+    no copy), or its values in bfloat16 where each is one (``bits`` 16, ``bfloat16_of``: a bf16
+    checkpoint's, half the bytes, widened exactly). The kernels multiply it in the order of a block's
+    dequantised weights, so a dequantised GGUF's float32 model gets its blocks' very bits
+    (``dense_weights``)."""
+
+    tensor: torch.Tensor
+    source: str = "float32"
+
+    @property
+    def bits(self) -> int:
+        return 16 if self.tensor.dtype == torch.bfloat16 else 32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.tensor.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    def dequantize(self) -> torch.Tensor:
+        if self.bits == 32:
+            return self.tensor
+        n, k = self.shape
+        return self.tensor.view(n, k // 16, 8, 2).transpose(-1, -2).reshape(n, k).float()
+
+    @staticmethod
+    def bfloat16_of(weight: torch.Tensor) -> "DenseWeight":
+        """A weight's values (bfloat16 ones, or rounded to them) in bfloat16, in the kernels' layout:
+        inputs j and 8 + j of each 16 side by side (csrc/core/quant.h), so AVX2 widens 16 of them with
+        one load, a shift and a mask."""
+        n, k = weight.shape
+        paired = weight.detach().bfloat16().view(n, k // 16, 2, 8).transpose(-1, -2).reshape(n, k).contiguous()
+        return DenseWeight(paired, "bfloat16 values")
+
+    @staticmethod
+    def stacked(parts: list["DenseWeight"]) -> "DenseWeight":
+        """One weight for several (q/k/v, gate/up): rows stacked; a view where they already lie one
+        after another in one storage (a model another fast path stacked: ``fast.core_kernels``)."""
+        first = parts[0].tensor
+        at, storage = first.data_ptr(), first.untyped_storage().data_ptr()
+        for p in parts:
+            if not p.tensor.is_contiguous() or p.tensor.data_ptr() != at or p.tensor.untyped_storage().data_ptr() != storage:
+                return DenseWeight(torch.cat([p.tensor for p in parts]), parts[0].source)
+            at += p.nbytes
+        rows = sum(p.shape[0] for p in parts)
+        view = first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (rows, first.shape[1]))
+        return DenseWeight(view, parts[0].source)
+
+
+def _dense_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear] | None:
+    """A float32 CPU model's linear layers by name, where the kernels can take every one (input
+    widths a multiple of 32, contiguous float32 weights), else None."""
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    ok = linears and all(m.in_features % BLOCK == 0 and m.weight.dtype == torch.float32
+                         and m.weight.device.type == "cpu" and m.weight.is_contiguous() for m in linears.values())
+    return linears if ok else None
+
+
+# a float32 model whose every linear weight is a bfloat16 value (a bf16 checkpoint loaded in float32)
+# keeps bfloat16 copies for the kernels: a pass streams half the bytes for the very same bits (False:
+# the float32 weights themselves, the A/B scripts' and tests' twin)
+BF16_WEIGHTS = True
+
+
+def dense_weights(model: torch.nn.Module) -> dict[str, DenseWeight] | None:
+    """Every linear layer of a float32 CPU model as the kernels take it, by module name (as
+    ``weights_of``), or None where they cannot: no kernels, another dtype, a linear whose input
+    width is not a multiple of 32. Where every weight's values are bfloat16 ones (``BF16_WEIGHTS``)
+    and a bfloat16 copy (half the float32 bytes) fits in a quarter of the free memory, that copy."""
+    from .cpu_kernels import available_bytes
+
+    linears = _dense_linears(model)
+    if linears is None or kernels() is None:
+        return None
+    head = model.get_output_embeddings()
+    weights = {id(m.weight): m.weight.detach() for m in linears.values()}  # a tied weight once
+    half = BF16_WEIGHTS and sum(w.numel() * 2 for w in weights.values()) <= available_bytes() // 4 and all(
+        torch.equal(w.bfloat16().float(), w) for w in weights.values())
+    held = {k: DenseWeight.bfloat16_of(w) if half else DenseWeight(w) for k, w in weights.items()}
+    return {("lm_head" if m is head else n): held[id(m.weight)] for n, m in linears.items()}
+
+
 @functools.cache
 def kernels():
     """The compiled kernels (``native``: quant_linear; layer, a decoder layer in one call;
@@ -119,11 +205,12 @@ def build(isa: tuple[str, ...] = ()):
 
 
 class QuantLinear:
-    """A linear layer over a ``QuantWeight`` (float32 in and out), shaped like cpu_kernels.PackedLinear.
+    """A linear layer over a ``QuantWeight`` or a ``DenseWeight`` (float32 in and out), shaped like
+    cpu_kernels.PackedLinear.
     ``int8``: each row of x is quantized to int8 in blocks of 32 and multiplied in integers (``q8``).
     Without the compiled kernel: the dequantised weight and ``F.linear`` (slow, and not the kernel's bits)."""
 
-    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None, int8: bool = False):
+    def __init__(self, weight: QuantWeight | DenseWeight, bias: torch.Tensor | None = None, int8: bool = False):
         self.weight, self.int8 = weight, int8
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().float().contiguous()
@@ -131,7 +218,9 @@ class QuantLinear:
         k = kernels()
         if k is not None:  # the kernel's arguments: the weight packed for streaming, a bias (zeros for none)
             bias = self.bias if self.bias is not None else torch.zeros(self.out_features)
-            self.args = [pack_int8(weight) if int8 else pack(weight, k.group_size()), bias]
+            packed = weight.tensor if isinstance(weight, DenseWeight) else pack_int8(weight) if int8 else pack(
+                weight, k.group_size())
+            self.args = [packed, bias]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         k = kernels()
@@ -149,7 +238,9 @@ Q8_GROUP = 16  # outputs a group of the int8 kernels' layout holds (csrc/core/q8
 def drafts_on_kernels(target: torch.nn.Module) -> bool:
     """Whether draft networks beside this target run their linears on the CPU kernels (``kernel_linears``):
     beside a quantized target, where the kernels build (a draft network on oneDNN's dense matmuls
-    cost more than the quantized target's own pass)."""
+    cost more than the quantized target's own pass). Beside a float32 target on the kernels
+    (``dense_weights``) they stay float32: their drafts are then the float32 heads' own (an EAGLE
+    head there costs ~8 ms a pass beside the target's ~17 on a 2-core Zen 3)."""
     return bool(weights_of(target)) and kernels() is not None
 
 

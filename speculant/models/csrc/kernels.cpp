@@ -36,12 +36,26 @@ const at::Tensor& rows_of_float(const at::Tensor& t, int64_t width) {
 // weight's layout says which kernels multiply with it: [groups of 4, blocks, 4, record] float32
 // activations (core/quant.h); [groups of 16, blocks, bytes a block] int8 activations (core/q8.h),
 // whose block size says whether its scales are float32 or float16.
+// Bits 32: (a float32 model's own weight [N, K], bias), multiplied as it is (core/quant.h); bits 16:
+// the weight kept in bfloat16 (each value one), widened exactly.
 spk::Linear linear_of(const std::vector<at::Tensor>& t, int64_t bits, int64_t K) {
-  TORCH_CHECK(t.size() == 2 && K % spk::BLOCK == 0 && (bits == 4 || bits == 8),
-              "a quantized linear is (packed, bias) of 4- or 8-bit codes; in_features a multiple of 32");
+  TORCH_CHECK(t.size() == 2 && K % spk::BLOCK == 0 && (bits == 4 || bits == 8 || bits == 16 || bits == 32),
+              "a kernel linear is (packed, bias) of 4- or 8-bit codes, or (float32 or bfloat16 weight, bias); "
+              "in_features a multiple of 32");
   TORCH_CHECK(t[1].scalar_type() == at::kFloat && t[1].is_contiguous() && t[1].dim() == 1, "bias: float32 [N]");
   const int64_t blocks = K / spk::BLOCK, N = t[1].numel();
   const at::Tensor& p = t[0];
+  if (bits == 32) {
+    TORCH_CHECK(p.scalar_type() == at::kFloat && p.is_contiguous() && p.dim() == 2 && p.size(0) == N && p.size(1) == K,
+                "float32 weight: contiguous [", N, ", ", K, "]");
+    return {{reinterpret_cast<const uint8_t*>(p.data_ptr<float>()), N, K, 32}, t[1].data_ptr<float>(), false};
+  }
+  if (bits == 16) {
+    TORCH_CHECK(p.scalar_type() == at::kBFloat16 && p.is_contiguous() && p.dim() == 2 && p.size(0) == N &&
+                    p.size(1) == K,
+                "bfloat16 weight: contiguous [", N, ", ", K, "]");
+    return {{reinterpret_cast<const uint8_t*>(p.data_ptr<at::BFloat16>()), N, K, 16}, t[1].data_ptr<float>(), false};
+  }
   TORCH_CHECK(p.scalar_type() == at::kByte && p.is_contiguous(), "packed weight: contiguous uint8");
   const spk::QWeights w{p.data_ptr<uint8_t>(), N, K, static_cast<int>(bits)};
   if (p.dim() == 3) {

@@ -11,6 +11,13 @@
 // model's very weights); y = the lanes' sum in a fixed tree, plus the bias. No sum crosses rows and
 // none is split by how many rows a call holds, so a row gets the same bits in a one-token step, a
 // verify block, a tree or a batch (width invariance), and every ISA branch gives the same bits.
+//
+// BITS 32: a float32 model's own weight [N, K] as it holds it (row-major, not packed), read 32
+// inputs at a time in that very order (``float32`` on the kernels: a dequantised GGUF's weights give
+// its blocks' bits); BITS 16: such a weight kept in bfloat16 where each of its values is one (a bf16
+// checkpoint's), widened exactly: the float32 weight's very bits from half the bytes. Its 16 inputs
+// a vector in pairs (input j and 8 + j side by side: arch/generic.h's load16b), so one load, a shift
+// and a mask widen them on AVX2.
 #pragma once
 
 #include <algorithm>
@@ -28,7 +35,7 @@ constexpr int64_t GROUP = 4;  // outputs a group of the packed layout holds (eve
 inline int64_t record_bytes(int bits) { return 8 + (bits == 4 ? 16 : 32); }
 
 struct QWeights {
-  const uint8_t* packed;  // [groups, blocks, GROUP, record]
+  const uint8_t* packed;  // [groups, blocks, GROUP, record]; BITS 32: float32 [N, K]; 16: bfloat16 [N, K]
   int64_t N, K;
   int bits;
   int64_t blocks() const { return K / BLOCK; }
@@ -48,12 +55,20 @@ inline void tile(const float* x, const QWeights& w, int64_t n0, float* y, int64_
     for (int r = 0; r < R; ++r) acc[o][r] = zero16();
   for (int64_t b = 0; b < w.blocks(); ++b) {
     for (int o = 0; o < O; ++o) {
-      const uint8_t* rec = w.record_of(n0 + o, b);
-      float scale, min;
-      std::memcpy(&scale, rec, 4);
-      std::memcpy(&min, rec + 4, 4);
       V16 lo, hi;
-      dequant<BITS>(rec + 8, scale, min, lo, hi);
+      if constexpr (BITS == 32) {
+        const float* row = reinterpret_cast<const float*>(w.packed) + (n0 + o) * K + b * BLOCK;
+        lo = load16(row), hi = load16(row + 16);
+      } else if constexpr (BITS == 16) {
+        const uint16_t* row = reinterpret_cast<const uint16_t*>(w.packed) + (n0 + o) * K + b * BLOCK;
+        lo = load16b(row), hi = load16b(row + 16);
+      } else {
+        const uint8_t* rec = w.record_of(n0 + o, b);
+        float scale, min;
+        std::memcpy(&scale, rec, 4);
+        std::memcpy(&min, rec + 4, 4);
+        dequant<BITS>(rec + 8, scale, min, lo, hi);
+      }
       for (int r = 0; r < R; ++r) {
         const float* xr = x + r * K + b * BLOCK;
         acc[o][r] = fma16(lo, load16(xr), acc[o][r]);
@@ -98,7 +113,9 @@ inline void linear_group(const float* x, int64_t M, const QWeights& w, int64_t n
     for (int64_t n = n0; n < w.N; ++n) rows_of<BITS, 1, NARROW_ROWS>(x, M, w, n, y);
   } else if (M == 1) {
     group_in_tiles<BITS, ONE_ROW_OUTS, 1>(x, M, w, n0, y);
-  } else if (M < WIDE_FROM) {
+  } else if (M < WIDE_FROM && BITS <= 8) {  // dense weights (16, 32) take the wide tiles from 2 rows:
+    // one stream of whole rows (a float32 pass of 2 and 3 rows 25.3 and 29.1 ms in narrow tiles, 19.7
+    // and 22.8 in wide ones, 4 rows 21.8; a 2-core Zen 3)
     group_in_tiles<BITS, NARROW_OUTS, NARROW_ROWS>(x, M, w, n0, y);
   } else {
     group_in_tiles<BITS, WIDE_OUTS, WIDE_ROWS>(x, M, w, n0, y);
@@ -113,8 +130,12 @@ inline void quant_linear(const float* x, int64_t M, const QWeights& w, const flo
     for (int64_t g = begin; g < end; ++g) {
       if (w.bits == 4)
         linear_group<4>(x, M, w, g * GROUP, y);
-      else
+      else if (w.bits == 8)
         linear_group<8>(x, M, w, g * GROUP, y);
+      else if (w.bits == 16)
+        linear_group<16>(x, M, w, g * GROUP, y);
+      else
+        linear_group<32>(x, M, w, g * GROUP, y);
     }
   });
   if (bias)

@@ -132,6 +132,69 @@ void linears(Random& rng, bool int8, bool half = false) {
     }
 }
 
+// bits 32: a float32 weight as a model holds it. Its bits in any block width, and those of quant.h's
+// blocks where the weight is their dequantised one (w = fma(code, scale, min)).
+void dense_linears(Random& rng) {
+  const int64_t shapes[][2] = {{150, 544}, {13, 64}, {96, 1536}};
+  for (const auto& s : shapes) {
+    const int64_t N = s[0], K = s[1], M = 19;
+    const auto packed = random_packed(rng, N, K, 4);
+    const spk::QWeights q{packed.data(), N, K, 4};
+    std::vector<float> w(N * K);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t b = 0; b < q.blocks(); ++b) {
+        const uint8_t* rec = q.record_of(n, b);
+        float scale, min;
+        std::memcpy(&scale, rec, 4);
+        std::memcpy(&min, rec + 4, 4);
+        for (int i = 0; i < 16; ++i) {
+          w[n * K + b * spk::BLOCK + i] = std::fma(float(rec[8 + i] & 15), scale, min);
+          w[n * K + b * spk::BLOCK + 16 + i] = std::fma(float(rec[8 + i] >> 4), scale, min);
+        }
+      }
+    const auto bias = rng.floats(N, -1, 1), x = rng.floats(M * K, -2, 2);
+    const spk::Linear dense{{reinterpret_cast<const uint8_t*>(w.data()), N, K, 32}, bias.data(), false};
+    const spk::Linear blocks{q, bias.data(), false};
+    const std::string name = "linear float32 " + std::to_string(N) + "x" + std::to_string(K);
+    std::vector<float> alone(M * N), quant(M * N);
+    for (int64_t r = 0; r < M; ++r) spk::apply(dense, x.data() + r * K, 1, alone.data() + r * N, spk::serial_for);
+    for (int64_t m : {2, 3, 4, 5, 8, 19}) {
+      std::vector<float> y(m * N);
+      spk::apply(dense, x.data(), m, y.data(), spk::serial_for);
+      check_rows(name + " rows " + std::to_string(m), y, std::vector<float>(alone.begin(), alone.begin() + m * N));
+    }
+    spk::apply(blocks, x.data(), M, quant.data(), spk::serial_for);
+    if (quant != alone) {
+      std::printf("FAIL %s: differs from its blocks' (the same weights)\n", name.c_str());
+      ++failures;
+    }
+    report(name, alone);
+    // bits 16: the weight cut to bfloat16 values, kept as bfloat16 (inputs j and 8 + j of each 16 side
+    // by side: quant.h's layout): the bits of those values in float32
+    std::vector<uint16_t> halves(N * K);
+    for (int64_t i = 0; i < N * K; ++i) {
+      uint32_t u;
+      std::memcpy(&u, &w[i], 4);
+      const int64_t j = i % 16, at = i - j + (j < 8 ? 2 * j : 2 * (j - 8) + 1);
+      halves[at] = static_cast<uint16_t>(u >> 16);
+      u &= 0xFFFF0000u;
+      std::memcpy(&w[i], &u, 4);
+    }
+    const spk::Linear bf16{{reinterpret_cast<const uint8_t*>(halves.data()), N, K, 16}, bias.data(), false};
+    std::vector<float> wide(M * N), narrow(M * N);
+    spk::apply(dense, x.data(), M, wide.data(), spk::serial_for);
+    for (int64_t r = 0; r < M; ++r) spk::apply(bf16, x.data() + r * K, 1, narrow.data() + r * N, spk::serial_for);
+    std::vector<float> block(M * N);
+    spk::apply(bf16, x.data(), M, block.data(), spk::serial_for);
+    check_rows(name + " bfloat16 rows 19", block, narrow);
+    if (narrow != wide) {
+      std::printf("FAIL %s: bfloat16 weights differ from their float32 values\n", name.c_str());
+      ++failures;
+    }
+    report(name + " bfloat16", narrow);
+  }
+}
+
 // short: up to 4 blocks of keys (3 laid out ahead), a task a kv head; long: 300+ keys, whose few
 // tasks attend spreads over the threads step by step
 // (H, Hkv, D) = (6, 2, 64): three query heads a kv head, SmolLM2's head dim (weighed three heads at
@@ -314,6 +377,7 @@ int main() {
   linears(rng, false);
   linears(rng, true);
   linears(rng, true, true);
+  dense_linears(rng);
   for (const bool long_context : {false, true}) {
     attention<float>(rng, "float32", long_context);
     attention<spk::bf16>(rng, "bfloat16", long_context);

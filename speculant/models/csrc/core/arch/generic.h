@@ -32,6 +32,17 @@ inline V16 load16h(const uint16_t* p) {  // 16 halves widened (exact: vector.h's
   for (int i = 0; i < 16; ++i) r.v[i] = to_float(f16{p[i]});
   return r;
 }
+// 16 bfloat16 widened (exact: a float's upper half), stored in pairs: p[2j] is lane j, p[2j + 1] lane
+// 8 + j (quant.h's bits-16 layout: each 32-bit word holds lane j low and lane 8 + j high)
+inline V16 load16b(const uint16_t* p) {
+  V16 r;
+  for (int j = 0; j < 8; ++j) {
+    const uint32_t lo = uint32_t(p[2 * j]) << 16, hi = uint32_t(p[2 * j + 1]) << 16;
+    std::memcpy(&r.v[j], &lo, 4);
+    std::memcpy(&r.v[8 + j], &hi, 4);
+  }
+  return r;
+}
 inline vn halves_native(const uint16_t* p) {  // NATIVE halves widened (exact: vector.h's conversion)
   vn r;
   for (int i = 0; i < NATIVE; ++i) r[i] = to_float(f16{p[i]});

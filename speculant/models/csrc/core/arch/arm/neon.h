@@ -30,6 +30,17 @@ inline V16 load16h(const uint16_t* p) {  // 16 halves widened (exact)
   for (int i = 0; i < 4; ++i) r.q[i] = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p + 4 * i)));
   return r;
 }
+// 16 bfloat16 widened (exact), stored in pairs (generic.h): lanes 0-7 the words' low halves, 8-15 their high
+inline V16 load16b(const uint16_t* p) {
+  const uint32x4_t a = vld1q_u32(reinterpret_cast<const uint32_t*>(p)), b = vld1q_u32(reinterpret_cast<const uint32_t*>(p + 8));
+  const uint32x4_t mask = vdupq_n_u32(0xFFFF0000u);
+  V16 r;
+  r.q[0] = vreinterpretq_f32_u32(vshlq_n_u32(a, 16));
+  r.q[1] = vreinterpretq_f32_u32(vshlq_n_u32(b, 16));
+  r.q[2] = vreinterpretq_f32_u32(vandq_u32(a, mask));
+  r.q[3] = vreinterpretq_f32_u32(vandq_u32(b, mask));
+  return r;
+}
 inline vn halves_native(const uint16_t* p) {  // NATIVE (4) halves widened (exact)
   const float32x4_t f = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
   vn r;

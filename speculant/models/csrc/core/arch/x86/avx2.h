@@ -26,6 +26,13 @@ inline V16 load16h(const uint16_t* p) {  // 16 halves widened (exact; F16C)
   return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
 }
+// 16 bfloat16 widened (exact), stored in pairs (generic.h): a word's low half is lane j, its high
+// half lane 8 + j, so one load, a shift and a mask give both registers
+inline V16 load16b(const uint16_t* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)),
+          _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int(0xFFFF0000u))))};
+}
 inline vn halves_native(const uint16_t* p) {  // NATIVE (8) halves widened (exact; F16C)
   return (vn)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }

@@ -28,6 +28,12 @@ inline V16 load16(const float* p) { return {_mm512_loadu_ps(p)}; }
 inline V16 load16h(const uint16_t* p) {  // 16 halves widened (exact)
   return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
 }
+// 16 bfloat16 widened (exact), stored in pairs (generic.h): lanes 0-7 the words' low halves, 8-15 their high
+inline V16 load16b(const uint16_t* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i lo = _mm256_slli_epi32(v, 16), hi = _mm256_and_si256(v, _mm256_set1_epi32(int(0xFFFF0000u)));
+  return {_mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1))};
+}
 inline vn halves_native(const uint16_t* p) {  // NATIVE (16) halves widened (exact)
   return (vn)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
