@@ -39,6 +39,7 @@ from speculant.bench.machine import machine_info
 from speculant.bench.prompts import read_prompts
 from speculant.drafters import make_drafter
 from speculant.models import quantized
+from speculant.models.fast import FastLlama, quantized_layer
 from speculant.models.loading import LoadedModel, default_model_path, load_model
 
 SHORT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -61,8 +62,7 @@ def ours(mode: str, kernels: Kernels):
     gen = speculant.Generator(target, make_drafter("none", target), kernels="onednn" if "onednn" in options else None)
     quantized.BF16_WEIGHTS = True
     fast = gen.backend.fast
-    held = [fast.pass_set.head.fn] + [lin for w in fast.pass_set.layers for lin in w.get("quantized", {}).values()]
-    weight_bytes = sum(int(lin.args[0].numel() * lin.args[0].element_size()) for lin in held) if len(held) > 1 else None
+    weight_bytes = kernel_bytes(fast) if fast.pass_set.layer_fn is quantized_layer else None
     if "float32-cache" in options:
         fast.cache_dtype = torch.float32
 
@@ -91,11 +91,13 @@ def read_bandwidth_gbs() -> float:
 
 def step_bytes(mode: str) -> int:
     """Bytes of weights a one-token step reads in a kernel mode: every linear's packed blocks."""
-    from speculant.models.fast import FastLlama
+    return kernel_bytes(FastLlama(load_model("default", device="cpu", dtype=mode).model))
 
-    fast = FastLlama(load_model("default", device="cpu", dtype=mode).model)
-    heads = [fast.pass_set.head.fn] + [lin for w in fast.pass_set.layers for lin in w["quantized"].values()]
-    return sum(int(lin.args[0].numel() * lin.args[0].element_size()) for lin in heads)
+
+def kernel_bytes(fast) -> int:
+    """Bytes of the weights a pass on the kernels streams: every linear's kernel weight and the LM head's."""
+    linears = [fast.pass_set.head.fn] + [lin for w in fast.pass_set.layers for lin in w["quantized"].values()]
+    return sum(int(lin.args[0].numel() * lin.args[0].element_size()) for lin in linears)
 
 
 def cache_bytes_per_key(config, element: int) -> int:

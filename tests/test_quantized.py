@@ -255,6 +255,14 @@ def test_tiny_quantized_plain_agrees_with_hf_on_dequantised_weights():
     assert agree >= 3
 
 
+def _last_step_logits(fast, prompt: list[int]) -> torch.Tensor:
+    """A prompt's last token as a one-token step after the rest's prefill: its logits."""
+    ids, n = torch.tensor([prompt]), len(prompt)
+    keys, values = fast.new_cache(1, 64)
+    fast.prefill(ids[:, :-1], keys, values)
+    return fast.forward(ids[:, -1:], torch.tensor([[n - 1]]), torch.tensor([[n - 1]]), keys, values)
+
+
 @needs_kernel
 def test_a_float32_model_runs_on_the_kernels_with_its_blocks_bits():
     """A float32 model on the CPU runs every pass on the kernel core over its own weights: over the
@@ -281,15 +289,7 @@ def test_a_float32_model_runs_on_the_kernels_with_its_blocks_bits():
         assert outs[name][0].stats["exact"] == "bitwise"
     assert sum(o.stats["accepted_draft_tokens"] for o in outs["core ngram"]) > 0
     fasts = [gens[name].backend.fast for name in ("blocks", "core")]
-    ids = torch.tensor([prompt])
-    logits = []
-    for fast in fasts:
-        keys, values = fast.new_cache(1, 64)
-        n = len(prompt)
-        fast.prefill(ids[:, :-1], keys, values)
-        step = (ids[:, -1:], torch.tensor([[n - 1]]), torch.tensor([[n - 1]]))
-        logits.append(fast.forward(*step, keys, values))
-    assert torch.equal(logits[0], logits[1])
+    assert torch.equal(_last_step_logits(fasts[0], prompt), _last_step_logits(fasts[1], prompt))
     attn = model.model.layers[1].self_attn
     stacked = fasts[1].pass_set.layers[1]["quantized"]["qkv"].weight.tensor
     again = gens["core ngram"].backend.fast.pass_set.layers[1]["quantized"]["qkv"].weight.tensor
@@ -326,14 +326,8 @@ def test_a_bf16_checkpoints_float32_model_streams_bfloat16_for_the_same_bits(mon
     assert fasts[1].pass_set.layers[0]["quantized"]["down"].weight.tensor.dtype == torch.float32
     for outs in (drafted, wide):
         assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
-    ids = torch.tensor([invariance_prompts(1)[0]])
-    logits = []
-    for fast in fasts:
-        keys, values = fast.new_cache(1, 64)
-        n = ids.shape[1]
-        fast.prefill(ids[:, :-1], keys, values)
-        logits.append(fast.forward(ids[:, -1:], torch.tensor([[n - 1]]), torch.tensor([[n - 1]]), keys, values))
-    assert torch.equal(logits[0], logits[1])
+    prompt = invariance_prompts(1)[0]
+    assert torch.equal(_last_step_logits(fasts[0], prompt), _last_step_logits(fasts[1], prompt))
     monkeypatch.setattr(quantized, "BF16_WEIGHTS", True)
     with torch.no_grad():
         model.model.layers[1].mlp.down_proj.weight[0, 0] = 1.0 + 2.0 ** -20  # no bfloat16 value

@@ -147,10 +147,10 @@ void dense_linears(Random& rng) {
         float scale, min;
         std::memcpy(&scale, rec, 4);
         std::memcpy(&min, rec + 4, 4);
-        for (int i = 0; i < 16; ++i) {
-          w[n * K + b * spk::BLOCK + i] = std::fma(float(rec[8 + i] & 15), scale, min);
-          w[n * K + b * spk::BLOCK + 16 + i] = std::fma(float(rec[8 + i] >> 4), scale, min);
-        }
+        spk::V16 lo, hi;
+        spk::dequant<4>(rec + 8, scale, min, lo, hi);
+        spk::store16(&w[n * K + b * spk::BLOCK], lo);
+        spk::store16(&w[n * K + b * spk::BLOCK + 16], hi);
       }
     const auto bias = rng.floats(N, -1, 1), x = rng.floats(M * K, -2, 2);
     const spk::Linear dense{{reinterpret_cast<const uint8_t*>(w.data()), N, K, 32}, bias.data(), false};
