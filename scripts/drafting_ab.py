@@ -4,23 +4,28 @@ per bench category against the first method, τ, and drafting / the rest of a pa
     python scripts/drafting_ab.py --dtype q8 --methods "none;eagle@2;eagle@2:tree;ngram@auto" \
         [--per-category 1] [--repeats 2] [--tokens 64] [--out ab.json]
 
-A method is DRAFTER[@GAMMA][:tree][:trees-only][:base]; ``:tree`` drafts an EAGLE head's tree in
-PyTorch calls where it would otherwise draft its chain in one kernel call (beside a GGUF target on the
-CPU kernels); ``:trees-only`` keeps ``X+ngram``'s γ auto from drafting the lookup alone while the
+A method is DRAFTER[@GAMMA][:tree][:float32-head][:trees-only][:base]; ``:tree`` drafts an EAGLE
+head's tree in PyTorch calls where it would otherwise draft its chain in one kernel call (beside a
+target on the CPU kernels); ``:float32-head`` builds the drafter as ``SPECULANT_CPU_KERNELS=onednn``
+would (beside a float32 target: its network in float32, not on the int8 kernels), the target as the
+others; ``:trees-only`` keeps ``X+ngram``'s γ auto from drafting the lookup alone while the
 trees are off (the control before controller.HybridGamma); ``:base`` runs on the CPU kernels built
 from ``--base REV``'s csrc/ (a git revision: a kernel change against the build before it, in one
 process: ``--base HEAD~1 --methods "none:base;none;eagle@2:base;eagle@2"``).
-Made benchmarks/results/cpu-AVX512BF16-2026-11-27-eagle-chain/, .../cpu-AVX512BF16-2026-11-27-lighter-passes/
-and .../cpu-AVX512BF16-2026-11-27-one-region/."""
+Made benchmarks/results/cpu-AVX512BF16-2026-11-27-eagle-chain/, .../cpu-AVX512BF16-2026-11-27-lighter-passes/,
+.../cpu-AVX512BF16-2026-11-27-one-region/ and .../cpu-AVX2-2026-11-28-zen3-float32-drafts/."""
 import argparse
 import collections
 import json
+import os
 import time
 
 import speculant
 from ab_common import Kernels
 from speculant.bench.machine import machine_info
 from speculant.bench.prompts import read_prompts
+from speculant.drafters import make_drafter
+from speculant.models import cpu_kernels
 
 
 def eagle_in(drafter):
@@ -50,9 +55,21 @@ def main() -> None:
             p.error(f"{m}: :base needs --base REV")
         kernels.use(on_base[m])  # a method's model binds its layers in the module it will run on
         spec, trees_only = (spec[: -len(":trees-only")], True) if spec.endswith(":trees-only") else (spec, False)
+        spec, float32_head = (spec[: -len(":float32-head")], True) if spec.endswith(":float32-head") else (spec, False)
         spec, tree = (spec[:-5], True) if spec.endswith(":tree") else (spec, False)
         drafter, _, gamma = spec.partition("@")
         gen = speculant.load("default", drafter=drafter, dtype=a.dtype)
+        if float32_head:
+            before = os.environ.get(cpu_kernels.ENV)
+            os.environ[cpu_kernels.ENV] = "onednn"
+            try:
+                head = make_drafter(drafter, gen.target)
+            finally:
+                if before is None:
+                    del os.environ[cpu_kernels.ENV]
+                else:
+                    os.environ[cpu_kernels.ENV] = before
+            gen = speculant.Generator(gen.target, head)
         if tree:
             eagle_in(gen.drafter).chains = False
         if trees_only:

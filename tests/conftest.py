@@ -21,6 +21,17 @@ def default_model():
     return load_model("default", device="cpu")
 
 
+@pytest.fixture
+def float32_drafts(monkeypatch):
+    """Draft networks beside a float32 target stay float32 (``SPECULANT_CPU_KERNELS=onednn``), where
+    they would run on the int8 kernels beside a target on the kernel core (quantized.drafts_on_kernels):
+    for the tests comparing a network's drafts with a reference's float32 modules, or counting its
+    Python forwards."""
+    from speculant.models import cpu_kernels
+
+    monkeypatch.setenv(cpu_kernels.ENV, "onednn")
+
+
 @pytest.fixture(autouse=True)
 def _no_dtype_measurement(request, monkeypatch):
     """dtype "auto" on a CPU measures float32 against bfloat16 once per machine and model; tests pin

@@ -126,6 +126,7 @@ def test_a_saved_drafter_reloads_and_proposes_the_same_tokens(tmp_path):
     assert torch.equal(proposals[0], proposals[1])
 
 
+@pytest.mark.usefixtures("float32_drafts")
 def test_our_network_equals_speculators_dflash_on_a_folder_we_saved(tmp_path):
     spec = pytest.importorskip("speculators.models.dflash")
     target_dir = save_tiny_folder(tmp_path / "target", seed=0)

@@ -90,6 +90,7 @@ def test_export_gives_vllm_the_tree_drafter_alone(tmp_path):
     assert cfg == vllm_config(f"eagle:{folder}") and cfg["model"] == str(Path(folder).resolve())
 
 
+@pytest.mark.usefixtures("float32_drafts")
 def test_a_strong_lookup_chain_spares_the_heads_deeper_forwards(tmp_path, monkeypatch):
     """The chain's nodes count among the best γ while the head deepens its tree: with a chain the
     text keeps confirming, the head stops after fewer forwards, and the merged tree is the one the

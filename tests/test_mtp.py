@@ -244,6 +244,7 @@ def _random_mtp_folder(tmp_path, target, verifier="tiny", name="mtp"):
     return tmp_path / name
 
 
+@pytest.mark.usefixtures("float32_drafts")
 def test_our_folder_loads_in_speculators_and_computes_our_steps(tmp_path):
     """speculators' MTPDraftModel loads a folder we save; its teacher-forced forward (3 steps, each
     reading the last one's output) gives our layer's logits."""

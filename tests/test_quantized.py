@@ -19,7 +19,7 @@ import torch
 import speculant
 from speculant.drafters import default_drafter, make_drafter, shipped_drafter
 from speculant.errors import SpeculantError
-from speculant.models import quantized
+from speculant.models import cpu_kernels, quantized
 from speculant.models.loading import LoadedModel, load_model
 from speculant.models.quantized import DenseWeight, QuantLinear, QuantWeight
 from helpers import hf_greedy, mismatch_report, save_tiny_folder, tiny_llama
@@ -298,6 +298,31 @@ def test_a_float32_model_runs_on_the_kernels_with_its_blocks_bits():
     assert attn.v_proj.weight.data_ptr() == stacked[-attn.v_proj.weight.shape[0]:].data_ptr()
     with torch.no_grad():
         assert torch.equal(model(torch.tensor([prompt])).logits, before)
+
+
+@needs_kernel
+def test_drafters_beside_a_float32_target_on_the_kernels_draft_on_the_int8_kernels(tmp_path, monkeypatch):
+    """Beside a float32 model on the kernel core, draft networks run on the int8 kernels as beside a
+    quantized target (an EAGLE head's chain in one kernel call): plain decoding's text, alone and in a
+    batch, γ 1, 4 and auto. ``SPECULANT_CPU_KERNELS=onednn`` keeps them float32."""
+    model = _quantized_tiny(seed=5, halves=True)
+    del model.speculant_quantized
+    assert quantized.drafts_on_kernels(model)
+    drafter = invariance_drafter("eagle", model, tmp_path)
+    assert drafter.kernel_layers is not None and drafter.chains
+    plain = [o.token_ids for o in speculant.generate(model, invariance_prompts(4), drafter="none", max_new_tokens=24)]
+    drafted = 0
+    for gamma in (1, 4, "auto"):
+        for batch in (1, 4):
+            outs = speculant.generate(model, invariance_prompts(batch), drafter=drafter, gamma=gamma, max_new_tokens=24)
+            assert [o.token_ids for o in outs] == plain[:batch], f"gamma={gamma} batch={batch}"
+            assert outs[0].stats["exact"] == "bitwise"
+            assert outs[0].stats["cpu_kernels"].startswith("float32 on the kernel core")
+            drafted += sum(o.stats["draft_tokens"] for o in outs)
+    assert drafted > 0
+    monkeypatch.setenv(cpu_kernels.ENV, "onednn")
+    assert not quantized.drafts_on_kernels(model)
+    assert invariance_drafter("eagle", model, tmp_path / "dense").kernel_layers is None
 
 
 @needs_kernel

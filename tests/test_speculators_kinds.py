@@ -76,6 +76,7 @@ def _capture(module):
     return seen
 
 
+@pytest.mark.usefixtures("float32_drafts")
 def test_peagle_drafts_speculators_parallel_groups_logits(tmp_path, monkeypatch):
     """speculators' P-EAGLE forward over a text (every position at depth 0) with one rollout of
     depths 1..3 from position a: its logits there are the ones our single forward drafts from after
@@ -209,6 +210,7 @@ VARIANTS = [("dflash2", {}), ("dspark", {}), ("dspark", {"markov_head_type": "ga
             ("dspark", {"markov_head_type": "rnn"}), ("xpress", {})]
 
 
+@pytest.mark.usefixtures("float32_drafts")
 @pytest.mark.parametrize("kind,extra", VARIANTS, ids=[k + "-" + "-".join(e.values()) for k, e in VARIANTS])
 def test_dflash_variants_draft_what_speculators_modules_choose(kind, extra, tmp_path):
     target = tiny_llama(0, layers=2)

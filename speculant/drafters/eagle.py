@@ -64,9 +64,10 @@ def load_eagle(folder: str, target: torch.nn.Module, target_name: str, dtype=Non
 
 class KernelLayers:
     """The network's decoder layers through the CPU kernels, one call a layer (``eagle_layer`` for
-    the first, ``layer`` for any after) where PyTorch ops take ~40: beside a quantized target, whose
-    kernels the network's linears already run on (``quantized.kernel_linears``). Attention masks
-    become each query's visible slots in order (the kernel's ``slots`` and ``count``)."""
+    the first, ``layer`` for any after) where PyTorch ops take ~40: beside a target on the CPU kernels
+    (``quantized.drafts_on_kernels``), whose kernels the network's linears already run on
+    (``quantized.kernel_linears``). Attention masks become each query's visible slots in order (the
+    kernel's ``slots`` and ``count``)."""
 
     def __init__(self, net: EagleNet):
         self.net, self.k = net, quantized.kernels()
@@ -187,7 +188,7 @@ class EagleDrafter(Drafter):
         outside = draft_ids >= self.vocab  # draft rows the target cannot emit (a head trained on a wider vocabulary)
         self.outside = outside if bool(outside.any()) else None
         self.kernel_layers = KernelLayers.fit(net) if quantized.drafts_on_kernels(target) else None
-        # beside a quantized target a proposal is one kernel call: a chain and its levels' siblings
+        # beside a target on the kernels a proposal is one kernel call: a chain and its levels' siblings
         self.chains = self.kernel_layers is not None and self.kernel_layers.chains(self.embed)
 
     @property
@@ -288,7 +289,7 @@ class EagleDrafter(Drafter):
         return state[pick, last], self._logprobs(normed[pick, last])
 
     def _propose_chain(self, gamma: int) -> Proposal:
-        """The proposal beside a quantized target, in one kernel call (``KernelLayers.chain``): the
+        """The proposal beside a target on the kernels, in one kernel call (``KernelLayers.chain``): the
         catch-up, then a chain of up to min(γ, DEPTH) levels, each the head's TOP_K most probable
         tokens after the level before's best; the tree is the chain and its siblings, best first.
         Every head step reads one row (a tree's read BEAM), the cost a verify block of a few

@@ -133,7 +133,7 @@ def load_draft(path: str, target: LoadedModel, device=None, dtype=None) -> Loade
 def _make(spec: DrafterSpec, b: Build) -> Drafter:
     dtype = b.dtype
     if quantized.drafts_on_kernels(b.target.model) and resolve_model_path(spec.arg).is_file() and b.device in (None, "cpu"):
-        dtype = "q8"  # a GGUF draft model beside a quantized target: its own blocks on the int8 kernels
+        dtype = "q8"  # a GGUF draft model beside a target on the kernels: its own blocks on the int8 kernels
     draft = load_draft(spec.arg, b.target, b.device, dtype)
     if b.target.tokenizer is not None and not same_vocabulary(b.target.tokenizer, draft.tokenizer):
         return CrossTokenizerDrafter(draft.model, draft.tokenizer, b.target.tokenizer, label=draft.name)

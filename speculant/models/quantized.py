@@ -236,12 +236,21 @@ Q8_GROUP = 16  # outputs a group of the int8 kernels' layout holds (csrc/core/q8
 
 
 def drafts_on_kernels(target: torch.nn.Module) -> bool:
-    """Whether draft networks beside this target run their linears on the CPU kernels (``kernel_linears``):
-    beside a quantized target, where the kernels build (a draft network on oneDNN's dense matmuls
-    cost more than the quantized target's own pass). Beside a float32 target on the kernels
-    (``dense_weights``) they stay float32: their drafts are then the float32 heads' own (an EAGLE
-    head there costs ~8 ms a pass beside the target's ~17 on a 2-core Zen 3)."""
-    return bool(weights_of(target)) and kernels() is not None
+    """Whether draft networks beside this target run their linears on the CPU kernels (``kernel_linears``),
+    where the kernels build: beside a quantized target (a draft network on oneDNN's dense matmuls cost
+    more than the quantized target's own pass), and beside a float32 CPU model whose passes run on the
+    kernel core (``dense_weights``; ``SPECULANT_CPU_KERNELS`` auto or core): an EAGLE head there cost
+    ~8 ms a pass in float32 beside the target's ~17 on a 2-core Zen 3. Their drafts change a little
+    (proposals only: the output does not); ``SPECULANT_CPU_KERNELS=onednn`` keeps them float32."""
+    if kernels() is None:
+        return False
+    if weights_of(target):
+        return True
+    from .cpu_kernels import requested
+
+    p = next(target.parameters(), None)
+    return (p is not None and p.device.type == "cpu" and p.dtype == torch.float32
+            and requested(None) in ("auto", "core") and _dense_linears(target) is not None)
 
 
 # a drafter's weights on the kernels (``kernel_linears``); 4 drafted an EAGLE step ~10 % faster

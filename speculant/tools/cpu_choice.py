@@ -40,7 +40,7 @@ from ..models.loading import _LOADED, cache_dir, load_model, resolve_model_folde
 
 # in the order of faithfulness to HF ``generate`` in float32 (see ``pick``); q8 and quantized: a .gguf target only
 CANDIDATES = ("float32", "quantized", "bfloat16", "q8")
-CHOICE_VERSION = 4  # in the cache key: choices made before float32 ran on the kernel core (or q8, the measuring bound) are made again
+CHOICE_VERSION = 5  # in the cache key: choices made before float32 ran on the kernel core with its drafters on the int8 kernels (or q8, the measuring bound) are made again
 # a request of the usual shape: some context (its prefill counts: on AVX2 a bf16 prefill costs ~6x a
 # float32 one, 12 against 2 ms a token for the default model) and a question about it
 PROMPT = (

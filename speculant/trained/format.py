@@ -129,7 +129,7 @@ def load_network(folder, target: torch.nn.Module, target_name: str, build, what:
         raise SpeculantError(f"drafter '{folder}' does not match {what}: missing {missing[:3]}, "
                              f"unexpected {unexpected[:3]}")
     p = next(target.parameters())
-    if quantized.drafts_on_kernels(target):  # its linears on the CPU kernels, as the quantized target's
+    if quantized.drafts_on_kernels(target):  # its linears on the CPU kernels, as the target's
         return quantized.kernel_linears(net.to(device=p.device, dtype=torch.float32).eval())
     return net.to(device=p.device, dtype=dtype or p.dtype).eval()
 
