@@ -19,6 +19,7 @@ import collections
 import json
 import os
 import time
+from unittest import mock
 
 import speculant
 from ab_common import Kernels
@@ -60,15 +61,8 @@ def main() -> None:
         drafter, _, gamma = spec.partition("@")
         gen = speculant.load("default", drafter=drafter, dtype=a.dtype)
         if float32_head:
-            before = os.environ.get(cpu_kernels.ENV)
-            os.environ[cpu_kernels.ENV] = "onednn"
-            try:
+            with mock.patch.dict(os.environ, {cpu_kernels.ENV: "onednn"}):
                 head = make_drafter(drafter, gen.target)
-            finally:
-                if before is None:
-                    del os.environ[cpu_kernels.ENV]
-                else:
-                    os.environ[cpu_kernels.ENV] = before
             gen = speculant.Generator(gen.target, head)
         if tree:
             eagle_in(gen.drafter).chains = False

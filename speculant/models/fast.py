@@ -291,10 +291,8 @@ def choose_kernels(fast: "FastLlama", plain: list[dict], compile: bool, kernels:
         return compiled_kernels(fast, plain)
     if qweights and fast.device.type == "cpu" and fast.dtype == torch.float32:
         return quantized_kernels(fast, plain, qweights)
-    if fast.device.type == "cpu" and fast.dtype == torch.float32 and cpu_kernels.requested(kernels) in ("auto", "core"):
-        dense = quantized.dense_weights(fast.hf_model)
-        if dense is not None:
-            return core_kernels(fast, plain, dense)
+    if quantized.on_kernel_core(fast.hf_model, kernels):
+        return core_kernels(fast, plain, quantized.dense_weights(fast.hf_model))
     return dense_kernels(fast, plain, kernels)
 
 

@@ -111,7 +111,6 @@ class DenseWeight:
     (``dense_weights``)."""
 
     tensor: torch.Tensor
-    source: str = "float32"
 
     @property
     def bits(self) -> int:
@@ -138,7 +137,7 @@ class DenseWeight:
         one load, a shift and a mask."""
         n, k = weight.shape
         paired = weight.detach().bfloat16().view(n, k // 16, 2, 8).transpose(-1, -2).reshape(n, k).contiguous()
-        return DenseWeight(paired, "bfloat16 values")
+        return DenseWeight(paired)
 
     @staticmethod
     def stacked(parts: list["DenseWeight"]) -> "DenseWeight":
@@ -148,11 +147,11 @@ class DenseWeight:
         at, storage = first.data_ptr(), first.untyped_storage().data_ptr()
         for p in parts:
             if not p.tensor.is_contiguous() or p.tensor.data_ptr() != at or p.tensor.untyped_storage().data_ptr() != storage:
-                return DenseWeight(torch.cat([p.tensor for p in parts]), parts[0].source)
+                return DenseWeight(torch.cat([p.tensor for p in parts]))
             at += p.nbytes
         rows = sum(p.shape[0] for p in parts)
         view = first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (rows, first.shape[1]))
-        return DenseWeight(view, parts[0].source)
+        return DenseWeight(view)
 
 
 def _dense_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear] | None:
@@ -235,22 +234,25 @@ class QuantLinear:
 Q8_GROUP = 16  # outputs a group of the int8 kernels' layout holds (csrc/core/q8.h)
 
 
+def on_kernel_core(model: torch.nn.Module, choice: str | None = None) -> bool:
+    """Whether a model's passes run its own weights on the kernel core (``fast.choose_kernels``): a
+    float32 CPU model, the CPU kernel ``choice`` (default ``SPECULANT_CPU_KERNELS``) auto or core, the
+    kernels built, every linear one they take (``dense_weights``)."""
+    from .cpu_kernels import requested
+
+    p = next(model.parameters(), None)
+    return (p is not None and p.device.type == "cpu" and p.dtype == torch.float32
+            and kernels() is not None and requested(choice) in ("auto", "core") and _dense_linears(model) is not None)
+
+
 def drafts_on_kernels(target: torch.nn.Module) -> bool:
     """Whether draft networks beside this target run their linears on the CPU kernels (``kernel_linears``),
     where the kernels build: beside a quantized target (a draft network on oneDNN's dense matmuls cost
-    more than the quantized target's own pass), and beside a float32 CPU model whose passes run on the
-    kernel core (``dense_weights``; ``SPECULANT_CPU_KERNELS`` auto or core): an EAGLE head there cost
-    ~8 ms a pass in float32 beside the target's ~17 on a 2-core Zen 3. Their drafts change a little
-    (proposals only: the output does not); ``SPECULANT_CPU_KERNELS=onednn`` keeps them float32."""
-    if kernels() is None:
-        return False
-    if weights_of(target):
-        return True
-    from .cpu_kernels import requested
-
-    p = next(target.parameters(), None)
-    return (p is not None and p.device.type == "cpu" and p.dtype == torch.float32
-            and requested(None) in ("auto", "core") and _dense_linears(target) is not None)
+    more than the quantized target's own pass), and beside a float32 model on the kernel core
+    (``on_kernel_core``): an EAGLE head there cost ~8 ms a pass in float32 beside the target's ~17 on
+    a 2-core Zen 3. Their drafts change a little (proposals only: the output does not);
+    ``SPECULANT_CPU_KERNELS=onednn`` keeps them float32."""
+    return (bool(weights_of(target)) and kernels() is not None) or on_kernel_core(target)
 
 
 # a drafter's weights on the kernels (``kernel_linears``); 4 drafted an EAGLE step ~10 % faster
