@@ -4,12 +4,14 @@ per bench category against the first method, τ, and drafting / the rest of a pa
     python scripts/drafting_ab.py --dtype q8 --methods "none;eagle@2;eagle@2:tree;ngram@auto" \
         [--per-category 1] [--repeats 2] [--tokens 64] [--out ab.json]
 
-A method is DRAFTER[@GAMMA][:tree][:float32-head][:trees-only][:base]; ``:tree`` drafts an EAGLE
+A method is DRAFTER[@GAMMA][:tree][:float32-head][:trees-only][:charged-lookup][:base]; ``:tree`` drafts an EAGLE
 head's tree in PyTorch calls where it would otherwise draft its chain in one kernel call (beside a
 target on the CPU kernels); ``:float32-head`` builds the drafter as ``SPECULANT_CPU_KERNELS=onednn``
 would (beside a float32 target: its network in float32, not on the int8 kernels), the target as the
 others; ``:trees-only`` keeps ``X+ngram``'s γ auto from drafting the lookup alone while the
-trees are off (the control before controller.HybridGamma); ``:base`` runs on the CPU kernels built
+trees are off (the control before controller.HybridGamma); ``:charged-lookup`` has γ auto charge seen lookup
+chains the engine's drafting cost, as it did before 2026-11-28 (``X+ngram``'s lookup the head's
+~2 ms a proposal); ``:base`` runs on the CPU kernels built
 from ``--base REV``'s csrc/ (a git revision: a kernel change against the build before it, in one
 process: ``--base HEAD~1 --methods "none:base;none;eagle@2:base;eagle@2"``).
 Made benchmarks/results/cpu-AVX512BF16-2026-11-27-eagle-chain/, .../cpu-AVX512BF16-2026-11-27-lighter-passes/,
@@ -23,6 +25,7 @@ from unittest import mock
 
 import speculant
 from ab_common import Kernels
+from speculant import controller
 from speculant.bench.machine import machine_info
 from speculant.bench.prompts import read_prompts
 from speculant.drafters import make_drafter
@@ -49,12 +52,19 @@ def main() -> None:
     for prompt in read_prompts():
         by_category[prompt.category].append(prompt.prompt)
     methods = {}
-    on_base = {}
+    on_base, charged = {}, {}
+    verifying = controller.ChainGamma.verifying
+
+    def use(m):  # a method's kernels, and how its γ auto weighs seen chains
+        kernels.use(on_base[m])
+        controller.ChainGamma.verifying = (lambda ctl, batch: ctl.costs(batch)) if charged[m] else verifying
+
     for m in a.methods.split(";"):
         spec, on_base[m] = (m[: -len(":base")], True) if m.endswith(":base") else (m, False)
         if on_base[m] and not a.base:
             p.error(f"{m}: :base needs --base REV")
-        kernels.use(on_base[m])  # a method's model binds its layers in the module it will run on
+        spec, charged[m] = (spec[: -len(":charged-lookup")], True) if spec.endswith(":charged-lookup") else (spec, False)
+        use(m)  # a method's model binds its layers in the module it will run on
         spec, trees_only = (spec[: -len(":trees-only")], True) if spec.endswith(":trees-only") else (spec, False)
         spec, float32_head = (spec[: -len(":float32-head")], True) if spec.endswith(":float32-head") else (spec, False)
         spec, tree = (spec[:-5], True) if spec.endswith(":tree") else (spec, False)
@@ -70,7 +80,7 @@ def main() -> None:
             gen.drafter.has_lookup = False
         methods[m] = (gen, {"gamma": gamma if gamma in ("", "auto") else int(gamma)} if gamma else {})
     for m, (gen, kw) in methods.items():  # warm: kernels, caches, the engine's first costs
-        kernels.use(on_base[m])
+        use(m)
         gen.generate(by_category["rag"][0], max_new_tokens=16, temperature=0.0, **kw)
     res = collections.defaultdict(lambda: {"tokens": 0, "seconds": 0.0, "passes": 0, "drafting": 0.0})
     for rep in range(a.repeats):
@@ -78,7 +88,7 @@ def main() -> None:
             for prompt in prompts[: a.per_category]:
                 order = list(methods.items())
                 for m, (gen, kw) in order if rep % 2 == 0 else order[::-1]:
-                    kernels.use(on_base[m])
+                    use(m)
                     t = time.perf_counter()
                     s = gen.generate(prompt, max_new_tokens=a.tokens, temperature=0.0, **kw).stats
                     r = res[(m, category)]

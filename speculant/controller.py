@@ -14,7 +14,8 @@ tokens cost barely more than 2, so the first passes of an engine measure the nar
 widest block before trusting the interpolation, and every width used is measured as it is used.
 A drafter whose drafts cost nothing (prompt lookup) is asked for its whole budget first, so each
 row's γ is chosen knowing the draft's length and its grade (``Proposal.grades``: ngram's matched
-n-gram length); α is kept per grade, per row and (as the prior of new rows) per engine.
+n-gram length), weighing only what verifying it costs (its drafting is paid); α is kept per grade,
+per row and (as the prior of new rows) per engine.
 Rows that do not pay get draft length 0 and are re-tried with the γ the prior would choose, so a
 request whose text turns repetitive later gets speculation back. A retry that fails costs what it
 cost beyond a plain pass (for a model drafter that includes catching up on the text it skipped),
@@ -368,6 +369,10 @@ class AutoGamma(PerRow):
     def costs(self, batch: int) -> StaticCosts:
         return self.cost_model.for_batch(batch)
 
+    def verifying(self, batch: int) -> StaticCosts:
+        """What a pass costs once its drafts are made: verifying them."""
+        return StaticCosts(0.0, lambda k: self.verify(batch * k))
+
     def _unmeasured(self, cap: int, full: bool | None = None) -> int | None:
         """A γ whose verify width this batch size has never timed, narrowest and widest first.
         ``full``: the pass may draft all it has (default: cap is the whole budget), so the short
@@ -467,10 +472,15 @@ class ChainGamma(AutoGamma):
         explore = self._unmeasured(cap)
         if explore is not None:
             return explore, [explore] * self.rows, False
-        if lengths is not None and not any(lengths):  # nothing drafted (no lookup match): a plain pass, and
-            gamma, on = 0, [False] * self.rows       # no expected tokens to weigh (~0.1 ms of a 4 ms q8 pass)
+        if lengths is not None:  # no row verifies past its draft: weigh the widths up to the longest
+            cap = min(cap, max(lengths, default=0))
+        if cap == 0:  # nothing drafted (no lookup match): a plain pass, and
+            gamma, on = 0, [False] * self.rows  # no expected tokens to weigh (~0.1 ms of a 4 ms q8 pass)
         else:
-            costs = self.costs(self.rows)
+            # drafts in hand cost nothing more: only verifying them does (beside a tree drafter's
+            # lookup, X+ngram, the engine's drafting cost is the tree's, ~2 ms a pass on q8: counted,
+            # it had kept the lookup's chains from ever paying there)
+            costs = self.costs(self.rows) if lengths is None else self.verifying(self.rows)
             grades = grades or [0] * self.rows
             priors = [self.cost_model.prior(g, cap) for g in grades]
             profiles = [(alphas.get(g) or RowAlpha()).profile(cap, prior)
@@ -484,12 +494,12 @@ class ChainGamma(AutoGamma):
         self.on = on
         retry = [not row_on and due and (lengths is None or n > 0)
                  for row_on, due, n in zip(on, self._retry_due(), lengths or [cap] * self.rows)]
-        retrying = any(retry) and gamma == 0
+        retrying = any(retry) and gamma == 0 and cap > 0
         if retrying:
             # re-try with the γ the engine's prior belief would pick (at least 1): cheap for a drafter
             # whose misses cost nothing (ngram), short for an expensive one
             gains = self._gains(priors, cap, lengths)
-            gamma = _argmax(lambda g: batch_rate(gains, retry, costs, g), cap, start=1) if cap else 0
+            gamma = _argmax(lambda g: batch_rate(gains, retry, costs, g), cap, start=1)
         return gamma, [gamma if (row_on or r) else 0 for row_on, r in zip(on, retry)], retrying
 
 
@@ -618,7 +628,7 @@ class TreeGamma(AutoGamma):
         retry = [not on and due for on, due in zip(self.on, self._retry_due())]
         gains = self._gains(scores, depths, lengths, cap, retry)
         # the tree is drafted already: only verifying it costs from here
-        verifying = StaticCosts(0.0, lambda k: self.verify(batch * k))
+        verifying = self.verifying(batch)
         width, on = choose_batch_width(gains, verifying)
         for row, row_on in enumerate(on):
             if row_on:
