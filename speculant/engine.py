@@ -232,13 +232,16 @@ class Engine:
             raise
 
     def _prefill(self, req: Request, state, drafter: Drafter, most: int, max_tokens: int) -> "Batch":
+        # before the clock: the backend's first info() proves its kernels' width invariance (~0.3 s
+        # once a model on a CPU), no part of a request's time (speculant.load does it while loading)
+        backend = self.backend.info()
         dev, n, t0 = self.device, len(req.rows), time.perf_counter()
         proc = LogitsProcessing([r.params for r in req.rows], self.vocab_size)
         generator = torch.Generator(device=dev)
         # the batch's stream (drafters, unseeded rows); seeded rows draw from streams of their own
         generator.manual_seed(row_seed(req.seed, -1) if req.seed is not None  # any int: mixed into 63 bits
                               else int(torch.randint(0, 2**62, (1,))))
-        stats = dict(drafter=drafter.describe(), gamma=req.gamma, backend=self.backend.info())
+        stats = dict(drafter=drafter.describe(), gamma=req.gamma, backend=backend)
         rows = [Row(list(r.prompt), r.max_new_tokens, r.stop, r.cancelled, t0=t0,
                     logprobs=None if r.logprobs is None else [], stats=Stats(**stats)) for r in req.rows]
         per_pass = drafter.block_drafts or drafter.makes_trees  # a pass's drafting cost does not grow with γ

@@ -287,3 +287,27 @@ def test_batched_prefill_gives_a_frozen_lm_head_a_contiguous_input():
     assert seen and all(seen), seen
     for prompt, out in zip(prompts, got):
         assert out.token_ids == hf_greedy(target, prompt, 6)
+
+
+def test_a_requests_time_leaves_out_the_backends_one_off_proof(monkeypatch):
+    """The backend's first ``info()`` proves its kernels' width invariance (~0.3 s on a CPU, once a
+    model): a one-off that must not count as the first request's time to its first token (the CLI's
+    tok/s read ~45 where the model ran ~190). A clock that jumps 100 s inside that call."""
+    import types
+
+    from speculant import engine
+
+    clock = [0.0]
+    monkeypatch.setattr(engine, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    target = tiny_llama(3)
+    gen = speculant.Generator(speculant.models.LoadedModel(target, None, "tiny"), NoDrafter(), gamma=1)
+    info = gen.backend.info
+
+    def slow_info():
+        clock[0] += 100.0
+        return info()
+
+    monkeypatch.setattr(gen.backend, "info", slow_info)
+    out = gen.generate_ids([[1, 2, 3, 4]], max_new_tokens=4)[0]
+    assert out.token_ids == hf_greedy(target, [1, 2, 3, 4], 4)
+    assert out.stats["first_token_seconds"] < 100.0 and out.stats["seconds"] < 100.0, out.stats

@@ -42,6 +42,7 @@ def load(target: str = "default", drafter: str | Drafter | None = None, gamma: i
     tgt = load_model(target, device=dev, dtype=dtype, device_map=device_map)
     d = make_drafter(drafter if drafter is not None else default_drafter(tgt), tgt)
     gen = Generator(tgt, d, gamma, path, compile)
+    gen.backend.info()  # its first call proves the kernels' width invariance (~0.3 s on a CPU): now, not in a request
     if choice is not None:
         gen.backend.dtype_choice = choice.describe()
     return gen
