@@ -19,9 +19,9 @@ from .drafters.model import left_pad
 from .errors import SpeculantError
 from .models.backend import Backend
 from .rows import PerRow
-from .sampling import LogitsProcessing, SamplingParams, SeededRows, TokenHistory, argmax, row_seed, token_logprobs
+from .sampling import LogitsProcessing, SamplingParams, SeededRows, TokenHistory, row_seed, token_logprobs
 from .tree import block_layout, check_tree, depths, is_chain, path_block_index, tree_depth
-from .verify import greedy_verify, sample_verify, tree_greedy_verify, tree_sample_verify
+from .verify import greedy_accept, greedy_verify, sample_verify, tree_greedy_verify, tree_sample_verify
 
 
 @dataclass
@@ -416,7 +416,7 @@ class Engine:
         if tree is None:
             if not plain:
                 b.state.rollback(start + n + 1)
-            steps = torch.arange(block.shape[1], device=block.device)[None].expand(len(n), -1) if b.taps else None
+            steps = None  # a chain: each emitted token was scored at its own block position
             emitted = prop.tokens
         else:
             b.state.keep_path(start, b.path, n)
@@ -425,7 +425,10 @@ class Engine:
             if logp is not None:
                 logp = logp.gather(1, steps[..., None].expand(-1, -1, logp.shape[-1]))
         emitted = nxt[:, None] if plain else torch.cat([emitted, nxt[:, None]], 1).scatter(1, n[:, None], nxt[:, None])
-        fed = [hidden[i, steps[i, : k + 1]] for i, k in enumerate(n.tolist())] if b.taps else None
+        fed = None
+        if b.taps:  # the hidden states of the root and the accepted drafts, as cached
+            fed = [hidden[i, : k + 1] if steps is None else hidden[i, steps[i, : k + 1]]
+                   for i, k in enumerate(n.tolist())]
         self._hand_over(b, nxt, n, emitted, logp, fed)
 
     def _decide(self, b: "Batch", logits: torch.Tensor, prop: Proposal, seen=None):
@@ -480,19 +483,19 @@ def _accept(scores: torch.Tensor, probs: torch.Tensor | None, prop: Proposal, pr
     Greedy rows follow the argmax and seeded rows their race's winners (greedy-style checks); the
     other rows rejection-sample against the drafter's q (probs: None when every row is greedy)."""
     tree = prop.parents is not None
-    chosen_rows = None if probs is None else seeded.mask | proc.greedy_rows(probs.device)
+    if probs is None:  # every row greedy
+        return greedy_accept(scores, prop.tokens, prop.parents, prop.lengths)
+    chosen_rows = seeded.mask | proc.greedy_rows(probs.device)
     chosen = None
-    if chosen_rows is None or bool(chosen_rows.any()):
-        if probs is None:
-            choice = argmax(scores)
-        else:  # block position 0 chooses the row's next token, a draft at depth d the one d after it
-            B, T = probs.shape[:2]
-            offsets = (torch.cat([torch.zeros_like(prop.parents[:, :1]), depths(prop.parents)], 1) if tree
-                       else torch.arange(T, device=probs.device)[None].expand(B, T))
-            choice = seeded.choose(probs, offsets)  # unseeded rows: the argmax (a greedy row's one-hot)
+    if bool(chosen_rows.any()):
+        # block position 0 chooses the row's next token, a draft at depth d the one d after it
+        B, T = probs.shape[:2]
+        offsets = (torch.cat([torch.zeros_like(prop.parents[:, :1]), depths(prop.parents)], 1) if tree
+                   else torch.arange(T, device=probs.device)[None].expand(B, T))
+        choice = seeded.choose(probs, offsets)  # unseeded rows: the argmax (a greedy row's one-hot)
         chosen = (tree_greedy_verify(choice, prop.tokens, prop.parents, prop.lengths) if tree
                   else (*greedy_verify(choice, prop.tokens, prop.lengths), None))
-        if chosen_rows is None or bool(chosen_rows.all()):
+        if bool(chosen_rows.all()):
             return chosen
     sampled = (tree_sample_verify(probs, prop.tokens, prop.parents, prop.lengths, prop.probs, generator) if tree
                else (*sample_verify(probs, prop.tokens, prop.lengths, prop.probs, generator), None))

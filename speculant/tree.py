@@ -85,9 +85,10 @@ def block_layout(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def path_block_index(path: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     """Block positions [B, max n + 1] of the root and the accepted nodes (padded with the last one):
     where the scores that decided each emitted token sit."""
-    width = int(n.max()) if n.numel() else 0
-    root = torch.zeros(path.shape[0], 1, dtype=path.dtype, device=path.device)
-    steps = torch.cat([root, path[:, :width] + 1], 1)
-    last = steps.gather(1, n[:, None])
-    pad = torch.arange(width + 1, device=path.device)[None] > n[:, None]
-    return torch.where(pad, last, steps)
+    counts = n.tolist()
+    width = max(counts, default=0)
+    rows = []
+    for nodes, k in zip(path[:, :width].tolist(), counts):
+        steps = [0] + [node + 1 for node in nodes[:k]]
+        rows.append(steps + steps[-1:] * (width - k))
+    return torch.tensor(rows, dtype=path.dtype, device=path.device).view(len(rows), width + 1)

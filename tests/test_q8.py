@@ -138,6 +138,11 @@ def test_the_compiled_argmax_is_pytorchs_max_indices(q8_kernels, monkeypatch):
     cases.append(x)
     for x in cases:
         assert torch.equal(q8_kernels.argmax(x), x.max(-1).indices), x.shape
+    best = cases[0].max(-1).indices  # greedy acceptance's argmax (one call: tests/test_verify_tree.py) is this one
+    drafts = best[:, :4].clone()
+    drafts[1, 2] += 1
+    n, nxt, _ = q8_kernels.greedy_accept(cases[0], drafts, torch.empty(0, dtype=torch.long), torch.tensor([4, 4, 1]))
+    assert n.tolist() == [4, 2, 1] and nxt.tolist() == [best[0, 4], best[1, 2], best[2, 1]]
     calls = []
     monkeypatch.setattr(sampling, "_compiled_argmax", lambda x: calls.append(x) or q8_kernels.argmax(x))
     assert torch.equal(sampling.argmax(cases[0]), cases[0].max(-1).indices) and calls

@@ -137,10 +137,19 @@ def test_a_tree_that_is_one_chain_is_verified_as_the_chain(path, monkeypatch):
     assert layouts  # branching trees still laid out as trees
 
 
-@pytest.mark.parametrize("path", ["general", "fast"])
+@pytest.mark.parametrize("path", ["general", "fast", "fast:indexed-moves"])
 @pytest.mark.parametrize("batch", [1, 4])
-def test_caches_equal_a_fresh_prefill_after_tree_passes(path, batch):
-    """Invariant 3 with trees: the accepted path's K/V sit where a fresh prefill puts them."""
+def test_caches_equal_a_fresh_prefill_after_tree_passes(path, batch, monkeypatch):
+    """Invariant 3 with trees: the accepted path's K/V sit where a fresh prefill puts them. On the
+    fast path a CPU moves them with the kernels' ``move_slots`` (one call for every layer); with
+    ``:indexed-moves``, with an indexed copy a layer (where the kernels are not built)."""
+    from speculant.models import fast, quantized
+
+    path, _, moves = path.partition(":")
+    if path == "fast" and not moves and quantized.kernels() is None:
+        pytest.skip("no C++ compiler for the CPU kernels")
+    if moves:
+        monkeypatch.setattr(fast, "_compiled_move_slots", None)
     target = tiny_llama(5, layers=3)
     prompts = _prompts(4, seed=5)[:batch]
     refs = [hf_greedy(target, p, 30) for p in prompts]

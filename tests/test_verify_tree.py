@@ -272,3 +272,59 @@ def test_tree_walks_equal_a_node_by_node_reference(tree):
             walk.append(child)
         assert path[b].tolist() == walk + [-1] * (N - len(walk))
         assert (int(n[b]), int(nxt[b])) == (len(walk), choice[b][node + 1])
+
+
+# ---- greedy acceptance in one kernel call (verify.greedy_accept) against argmax + the walks ---------
+
+
+@pytest.fixture(scope="module")
+def accept_kernel():
+    from speculant.models import quantized
+
+    module = quantized.kernels()
+    if module is None:
+        pytest.skip("no C++ compiler for the CPU kernels")
+    return module.greedy_accept
+
+
+@settings(max_examples=300, deadline=None)
+@given(_trees(), st.integers(0, 2**31 - 1), st.booleans())
+def test_greedy_accept_is_the_argmax_then_the_walk(accept_kernel, tree, seed, chain):
+    """The kernel's one call gives what the argmax and ``greedy_verify`` / ``tree_greedy_verify``
+    give, on trees and on chains (parents None), with ties among the scores (the first wins) and
+    rows shorter than the block; without the kernel, ``greedy_accept`` is those very calls."""
+    parents, lengths, tokens, _ = tree
+    B, N = len(parents), len(parents[0])
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randint(-2, 2, (B, N + 1, 3), generator=g).float()  # V = 3, many ties
+    P = None if chain else torch.tensor(parents, dtype=torch.long).view(B, N)
+    T, L = torch.tensor(tokens, dtype=torch.long).view(B, N), torch.tensor(lengths)
+    choice = scores.max(-1).indices
+    want = (*greedy_verify(choice, T, L), None) if chain else tree_greedy_verify(choice, T, P, L)
+    got = accept_kernel(scores, T, torch.empty(0, dtype=torch.long) if chain else P, L)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    if not chain:
+        assert torch.equal(got[2], want[2])
+    saved = verify._compiled_greedy_accept
+    try:
+        for fn in (accept_kernel, None):  # through verify.greedy_accept: the kernel's, then the fallback
+            verify._compiled_greedy_accept = fn
+            out = verify.greedy_accept(scores, T, P, L)
+            assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
+            assert out[2] is None if chain else torch.equal(out[2], want[2])
+    finally:
+        verify._compiled_greedy_accept = saved
+
+
+def test_greedy_accept_on_a_vocabulary_with_nan(accept_kernel):
+    """Real widths: a 49k vocabulary, a NaN (the first NaN is the argmax, as PyTorch's), a batch of 3."""
+    g = torch.Generator().manual_seed(1)
+    scores = torch.randn(3, 4, 49152, generator=g)
+    scores[1, 2, 777] = float("nan")
+    choice = scores.max(-1).indices
+    tokens = choice[:, :3].clone()
+    tokens[0, 1] += 1  # row 0 rejects its second draft; rows 1 and 2 accept all three
+    L = torch.tensor([3, 3, 2])
+    n, nxt, path = accept_kernel(scores, tokens, torch.empty(0, dtype=torch.long), L)
+    assert n.tolist() == [1, 3, 2] and nxt.tolist() == [choice[0, 1], choice[1, 3], choice[2, 2]]
+    assert path.tolist() == [[0, -1, -1], [0, 1, 2], [0, 1, -1]] and choice[1, 2] == 777

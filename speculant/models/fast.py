@@ -656,6 +656,16 @@ def _matmul_bytes(layers: list[dict], head) -> int:
     return sum(t.numel() * t.element_size() for t in weights)
 
 
+_compiled_move_slots = None  # the CPU kernels' ``move_slots`` (native.py sets it where they are built)
+
+
+def use_compiled_move_slots(fn) -> None:
+    """``fn(caches, src, dst)``: row b's slots src[b, j] copied to dst[b, j] in every cache [B, heads,
+    slots, D], as ``StaticKVState.keep_path``'s indexed copies do, in one call."""
+    global _compiled_move_slots
+    _compiled_move_slots = _compiled_move_slots or fn
+
+
 def cat_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """The rows of two static caches [B, heads, slots, D] in one, as many slots as the larger."""
     out = a.new_zeros(a.shape[0] + b.shape[0], a.shape[1], max(a.shape[2], b.shape[2]), a.shape[3])
@@ -769,11 +779,14 @@ class StaticKVState(PerRow):
             steps = torch.arange(width, device=path.device)[None]
             dst = start[:, None] + 1 + steps
             src = torch.where(steps < n[:, None], start[:, None] + 1 + path[:, :width], dst)
-            rows = torch.arange(len(start), device=path.device)[:, None].expand(-1, width)
-            for cache in (self.keys, self.values):
-                for layer in cache:
-                    by_slot = layer.transpose(1, 2)  # [B, S, kv heads, D]: index slots per row
-                    by_slot.index_put_((rows, dst), by_slot[rows, src])
+            if _compiled_move_slots is not None and path.device.type == "cpu":  # every layer in one call
+                _compiled_move_slots([*self.keys, *self.values], src.contiguous(), dst.contiguous())
+            else:
+                rows = torch.arange(len(start), device=path.device)[:, None].expand(-1, width)
+                for cache in (self.keys, self.values):
+                    for layer in cache:
+                        by_slot = layer.transpose(1, 2)  # [B, S, kv heads, D]: index slots per row
+                        by_slot.index_put_((rows, dst), by_slot[rows, src])
         self.ptr = start + 1 + n
 
     row_fields = ("ptr",)  # the caches themselves move in place (PerRow)

@@ -20,14 +20,14 @@ import threading
 import time
 from pathlib import Path
 
-from .. import sampling
+from .. import sampling, verify
 from .cpu_kernels import cpu_key
 
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
 CSRC = Path(__file__).parent / "csrc"
 FUNCTIONS = ("attend", "quant_linear", "layer_start", "layer_end", "layer", "bind_layers", "unbind_layers", "run_layers",
              "bind_ends", "run_pass",
-             "eagle_layer", "eagle_chain", "norm", "argmax", "group_size",
+             "eagle_layer", "eagle_chain", "norm", "argmax", "greedy_accept", "move_slots", "group_size",
              "q8_quantize", "isa")
 STALE_LOCK_S = 600  # a build takes about a minute, writing files as it goes: ten quiet minutes is a killed one
 
@@ -115,6 +115,10 @@ def _build(isa: tuple[str, ...]):
                                            extra_cflags=all_flags, extra_ldflags=["-fopenmp"],
                                            extra_include_paths=[str(CSRC)], verbose=False)
         sampling.use_compiled_argmax(module.argmax)  # greedy decoding's (any ISA's build: the same indices)
+        verify.use_compiled_greedy_accept(module.greedy_accept)
+        from . import fast  # here, not at the top: fast imports the kernels' loader, which imports this module
+
+        fast.use_compiled_move_slots(module.move_slots)
         return module
     except Exception as e:  # no compiler or ninja, or a failed build
         print(f"speculant: could not build the CPU kernels ({str(e).splitlines()[0][:120]}); using PyTorch ops",

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "core/accept.h"
 #include "core/eagle.h"
 #include "core/layer.h"
 
@@ -578,6 +579,63 @@ at::Tensor argmax(const at::Tensor& x) {
     for (int64_t r = begin; r < end; ++r) o[r] = spk::argmax(p + r * V, V);
   });
   return out;
+}
+
+// Greedy acceptance in one call: each block position's argmax (as ``argmax``), then each row's walk
+// (core/accept.h). scores: float32 [B, N + 1, V]; tokens [B, N], parents [B, N] (empty: chains),
+// lengths [B], all int64. Returns (accepted n [B], next token [B], path [B, N]) as int64.
+std::vector<at::Tensor> greedy_accept(const at::Tensor& scores, const at::Tensor& tokens, const at::Tensor& parents,
+                                      const at::Tensor& lengths) {
+  TORCH_CHECK(scores.dim() == 3 && scores.size(2) > 0, "greedy_accept: scores [B, N + 1, V], V > 0");
+  const int64_t B = scores.size(0), N = scores.size(1) - 1;
+  const bool chains = parents.numel() == 0;
+  for (const at::Tensor* t : {&tokens, &parents, &lengths})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "greedy_accept: int64 contiguous ids");
+  TORCH_CHECK(tokens.dim() == 2 && tokens.size(0) == B && tokens.size(1) == N && lengths.numel() == B &&
+              (chains || parents.sizes() == tokens.sizes()), "greedy_accept: tokens/parents [B, N], lengths [B]");
+  const at::Tensor choice = ::argmax(scores);  // this file's (at::argmax is a candidate too)
+  auto n = torch::empty({B}, lengths.options()), next = torch::empty({B}, lengths.options());
+  auto path = torch::empty({B, N}, lengths.options());
+  const int64_t *c = choice.data_ptr<int64_t>(), *tok = tokens.data_ptr<int64_t>();
+  const int64_t* len = lengths.data_ptr<int64_t>();
+  const int64_t* par = chains ? nullptr : parents.data_ptr<int64_t>();
+  int64_t *n_out = n.data_ptr<int64_t>(), *next_out = next.data_ptr<int64_t>(), *p = path.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t k = spk::greedy_walk(c + b * (N + 1), tok + b * N, chains ? nullptr : par + b * N,
+                                       std::min(len[b], N), N, p + b * N);
+    n_out[b] = k;
+    next_out[b] = c[b * (N + 1) + (k ? p[b * N + k - 1] + 1 : 0)];
+  }
+  return {n, next, path};
+}
+
+// Row b's cache slots src[b, j] copied to dst[b, j] (all read before any is written, as an indexed
+// copy does) in every cache of ``caches`` ([B, kv heads, slots, head dim], one dtype each, rows
+// of head dim contiguous): a token tree's accepted nodes moved next to its root (keep_path) in one
+// call where an indexed copy a layer's keys and values took 60 calls, ~0.6 ms run cold.
+void move_slots(const std::vector<at::Tensor>& caches, const at::Tensor& src, const at::Tensor& dst) {
+  TORCH_CHECK(src.scalar_type() == at::kLong && dst.scalar_type() == at::kLong && src.dim() == 2 &&
+                  src.sizes() == dst.sizes() && src.is_contiguous() && dst.is_contiguous(),
+              "move_slots: src, dst int64 [B, W]");
+  const int64_t B = src.size(0), W = src.size(1);
+  const int64_t *from = src.data_ptr<int64_t>(), *to = dst.data_ptr<int64_t>();
+  std::vector<char> held;
+  for (const at::Tensor& c : caches) {
+    TORCH_CHECK(c.dim() == 4 && c.size(0) >= B && c.stride(3) == 1,
+                "move_slots: caches [B, kv heads, slots, head dim]");
+    const int64_t H = c.size(1), S = c.size(2), es = c.element_size(), row = c.size(3) * es;
+    for (int64_t i = 0; i < B * W; ++i)
+      TORCH_CHECK(from[i] >= 0 && from[i] < S && to[i] >= 0 && to[i] < S, "move_slots: a slot outside the cache");
+    char* base = static_cast<char*>(c.data_ptr());
+    auto at = [&](int64_t b, int64_t h, int64_t slot) {
+      return base + (b * c.stride(0) + h * c.stride(1) + slot * c.stride(2)) * es;
+    };
+    held.resize(static_cast<size_t>(B * W * H * row));
+    for (int64_t i = 0; i < B * W; ++i)  // i = b * W + j
+      for (int64_t h = 0; h < H; ++h) std::memcpy(held.data() + (i * H + h) * row, at(i / W, h, from[i]), row);
+    for (int64_t i = 0; i < B * W; ++i)
+      for (int64_t h = 0; h < H; ++h) std::memcpy(at(i / W, h, to[i]), held.data() + (i * H + h) * row, row);
+  }
 }
 
 // Outputs a group of the packed layout holds (every ISA).
