@@ -1,6 +1,8 @@
 """Token trees through the whole stack (drafters -> tree pass -> verify -> cache compaction):
 greedy identity against HF generate, the cache after every pass equal to a fresh prefill of the
 accepted text, the sampled distribution against the exact one, and bad trees refused in one line."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -143,13 +145,17 @@ def test_caches_equal_a_fresh_prefill_after_tree_passes(path, batch, monkeypatch
     """Invariant 3 with trees: the accepted path's K/V sit where a fresh prefill puts them. On the
     fast path a CPU moves them with the kernels' ``move_slots`` (one call for every layer); with
     ``:indexed-moves``, with an indexed copy a layer (where the kernels are not built)."""
-    from speculant.models import fast, quantized
+    from speculant.models import native, quantized
 
     path, _, moves = path.partition(":")
     if path == "fast" and not moves and quantized.kernels() is None:
         pytest.skip("no C++ compiler for the CPU kernels")
+    calls = []
     if moves:
-        monkeypatch.setattr(fast, "_compiled_move_slots", None)
+        monkeypatch.setattr(native, "_built", None)
+    elif path == "fast":  # the kernels' call, counted
+        module = native.built()
+        monkeypatch.setattr(native, "_built", SimpleNamespace(move_slots=lambda *a: calls.append(a) or module.move_slots(*a)))
     target = tiny_llama(5, layers=3)
     prompts = _prompts(4, seed=5)[:batch]
     refs = [hf_greedy(target, p, 30) for p in prompts]
@@ -167,6 +173,7 @@ def test_caches_equal_a_fresh_prefill_after_tree_passes(path, batch, monkeypatch
                 torch.testing.assert_close(v, fresh.layers[layer].values[0], atol=1e-5, rtol=1e-4)
             checked += 1
     assert checked > 5 and moved > 3
+    assert bool(calls) == (path == "fast" and not moves)
 
 
 class SampledTree(Drafter):

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..rows import PerRow
-from . import cpu_kernels, invariant, quantized
+from . import cpu_kernels, invariant, native, quantized
 from .cpu_kernels import PackedLinear
 from .invariant import FLinear, KeyLayout, RowLinear
 from .quantized import DenseWeight, QuantLinear, QuantWeight
@@ -656,16 +656,6 @@ def _matmul_bytes(layers: list[dict], head) -> int:
     return sum(t.numel() * t.element_size() for t in weights)
 
 
-_compiled_move_slots = None  # the CPU kernels' ``move_slots`` (native.py sets it where they are built)
-
-
-def use_compiled_move_slots(fn) -> None:
-    """``fn(caches, src, dst)``: row b's slots src[b, j] copied to dst[b, j] in every cache [B, heads,
-    slots, D], as ``StaticKVState.keep_path``'s indexed copies do, in one call."""
-    global _compiled_move_slots
-    _compiled_move_slots = _compiled_move_slots or fn
-
-
 def cat_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """The rows of two static caches [B, heads, slots, D] in one, as many slots as the larger."""
     out = a.new_zeros(a.shape[0] + b.shape[0], a.shape[1], max(a.shape[2], b.shape[2]), a.shape[3])
@@ -779,8 +769,9 @@ class StaticKVState(PerRow):
             steps = torch.arange(width, device=path.device)[None]
             dst = start[:, None] + 1 + steps
             src = torch.where(steps < n[:, None], start[:, None] + 1 + path[:, :width], dst)
-            if _compiled_move_slots is not None and path.device.type == "cpu":  # every layer in one call
-                _compiled_move_slots([*self.keys, *self.values], src.contiguous(), dst.contiguous())
+            kernels = native.built() if path.device.type == "cpu" else None
+            if kernels is not None:  # every layer's keys and values in one call
+                kernels.move_slots([*self.keys, *self.values], src.contiguous(), dst.contiguous())
             else:
                 rows = torch.arange(len(start), device=path.device)[:, None].expand(-1, width)
                 for cache in (self.keys, self.values):

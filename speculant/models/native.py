@@ -95,6 +95,15 @@ def start_building() -> None:
     threading.Thread(target=build, name="speculant-kernels-build", daemon=True).start()
 
 
+_built = None  # the first kernels module this process built (``built``)
+
+
+def built():
+    """The kernels this process has built already, or None: never starts a build (for a caller on a
+    path that runs without them, e.g. moving a token tree's K/V in one call where they exist)."""
+    return _built
+
+
 @functools.cache
 def _build(isa: tuple[str, ...]):
     try:
@@ -116,9 +125,8 @@ def _build(isa: tuple[str, ...]):
                                            extra_include_paths=[str(CSRC)], verbose=False)
         sampling.use_compiled_argmax(module.argmax)  # greedy decoding's (any ISA's build: the same indices)
         verify.use_compiled_greedy_accept(module.greedy_accept)
-        from . import fast  # here, not at the top: fast imports the kernels' loader, which imports this module
-
-        fast.use_compiled_move_slots(module.move_slots)
+        global _built
+        _built = _built or module
         return module
     except Exception as e:  # no compiler or ninja, or a failed build
         print(f"speculant: could not build the CPU kernels ({str(e).splitlines()[0][:120]}); using PyTorch ops",
