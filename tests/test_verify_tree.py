@@ -323,7 +323,7 @@ def test_greedy_accept_on_a_vocabulary_with_nan(accept_kernel):
     scores[1, 2, 777] = float("nan")
     choice = scores.max(-1).indices
     tokens = choice[:, :3].clone()
-    tokens[0, 1] += 1  # row 0 rejects its second draft; rows 1 and 2 accept all three
+    tokens[0, 1] += 1  # row 0 rejects its second draft; row 1 accepts all three, row 2 both of its two
     L = torch.tensor([3, 3, 2])
     n, nxt, path = accept_kernel(scores, tokens, torch.empty(0, dtype=torch.long), L)
     assert n.tolist() == [1, 3, 2] and nxt.tolist() == [choice[0, 1], choice[1, 3], choice[2, 2]]

@@ -1,6 +1,6 @@
 // Greedy acceptance of a verify block, walked in plain C++: the engine's per-pass bookkeeping after
-// the target's pass runs with every cache cold (the pass streamed ~100 MB through them), where each
-// small PyTorch op of the same walk cost 20-250 us (a 2-core Zen 4) against ~5 us hot.
+// the target's pass runs with every cache cold (the pass streamed ~100 MB through them), where a
+// chain's walk in PyTorch ops took 245 us in situ against 44 called again at once (a 2-core Zen 4).
 #pragma once
 
 #include <cstdint>
