@@ -24,11 +24,14 @@ least ``retry_every`` passes, doubling while retries fail: retries stay within ~
 
 Token trees (EAGLE, Medusa, merged with lookup) are paid for before they are seen, so their
 drafting is judged on measured yields: tokens per tree pass against plain passes, drafting
-included (``TreeGamma.tree_budget``), with a 10% margin. Each pass then keeps the nodes worth
+included (``TreeGamma.tree_budget``), with a 10% margin; a new row starts from the yield this
+engine's trees have had (``CostModel.tree_tokens``). Each pass then keeps the nodes worth
 verifying, by the drafter's scores calibrated per row and depth (``choose_tree``); a row already
 drafting verifies at least its best node, so one pessimistic estimate does not switch it off.
 A tree drafter whose proposal costs more the more nodes it is asked for (an EAGLE chain on the CPU
-kernels) is asked for two nodes more than its trees have been verifying. A tree drafter merged with
+kernels: a head step a level) has that cost learnt by the nodes asked (``CostModel.draft_asked``),
+its first passes time the narrow widths it is verified at, and it is asked for the nodes its trees
+have been verifying, one more every few passes. A tree drafter merged with
 prompt lookup (``X+ngram``, ``HybridGamma``) drafts the lookup's chains alone while its trees are off.
 
 The engine sees one interface for chains and trees alike (a chain is a tree of width one):
@@ -48,7 +51,7 @@ import torch
 
 from .drafters.base import Proposal
 from .rows import PerRow
-from .tree import depths, tree_depth
+from .tree import depths_of
 
 
 def expected_tokens(alpha: float | Sequence[float], gamma: int) -> float:
@@ -79,12 +82,16 @@ class StaticCosts:
     draft_per_token: float
     verify: Callable[[int], float]  # k -> seconds
     draft_per_pass: float = 0.0
+    draft_asked: Callable[[int], float] | None = None  # γ -> seconds: a drafter that deepens with what it is asked
     # made for one decision, which asks each γ's cost several times (an interpolation each)
     _seconds: dict = field(default_factory=dict, repr=False, compare=False)
 
     def seconds(self, gamma: int) -> float:
         if gamma not in self._seconds:
-            drafting = self.draft_per_token * gamma + (self.draft_per_pass if gamma > 0 else 0.0)
+            if self.draft_asked is not None:
+                drafting = self.draft_asked(gamma) if gamma > 0 else 0.0
+            else:
+                drafting = self.draft_per_token * gamma + (self.draft_per_pass if gamma > 0 else 0.0)
             self._seconds[gamma] = drafting + self.verify(gamma + 1)
         return self._seconds[gamma]
 
@@ -183,9 +190,14 @@ class CostModel:
         self.verify = VerifyTimes()  # by tokens verified (batch x block width)
         self.draft_token = VerifyTimes()  # seconds per draft token, by batch size (chain drafters)
         self.draft_pass = VerifyTimes()  # seconds per proposal, by batch size (block and tree drafters)
+        # seconds per proposal by batch size x nodes asked, of a drafter whose cost grows with them (a
+        # head's chain on the CPU kernels: a head step a level; 1.2 ms asked for one node, 3.5 for 15)
+        self.draft_asked = VerifyTimes()
         self.retry_extra = 0.0  # what a failed retry cost beyond a plain pass, in plain passes
         # acceptance per draft grade over every row and request: the prior of a row's own estimate
         self.acceptance: dict[int, RowAlpha] = {}
+        # tokens a tree pass yields, over every row and request: where a new row's own estimate starts
+        self.tree_tokens = TREE_PRIOR_TOKENS
 
     def observe_acceptance(self, grade: int, drafted: int, accepted: int) -> None:
         self.acceptance.setdefault(grade, RowAlpha(decay=0.99)).observe(drafted, accepted)
@@ -194,18 +206,24 @@ class CostModel:
         """α per position that a row new to drafts of this grade starts from."""
         return (self.acceptance.get(grade) or RowAlpha()).profile(length)
 
+    def observe_tree_tokens(self, tokens: int) -> None:
+        self.tree_tokens = 0.98 * self.tree_tokens + 0.02 * tokens
+
     def observe_retry(self, extra: float) -> None:
         self.retry_extra = max(0.0, extra) if self.retry_extra == 0.0 else 0.5 * self.retry_extra + 0.5 * max(0.0, extra)
 
     def observe_pass(self, gamma: int, tokens: int, draft_seconds: float, verify_seconds: float,
-                     per_pass: bool = False, batch: int = 1) -> None:
+                     per_pass: bool = False, batch: int = 1, asked: int = 0) -> None:
         """A pass over ``batch`` rows that drafted γ tokens (per row) and verified ``tokens`` (batch ×
-        block width); ``per_pass``: the drafter's cost does not grow with γ (block and tree drafters)."""
+        block width); ``per_pass``: the drafter's cost does not grow with γ (block and tree drafters);
+        ``asked``: the nodes a drafter that deepens with them was asked for (0: not such a drafter)."""
         if gamma > 0:
             # a pass that also caught the drafter up on many tokens (its lazy prompt prefill, say)
             # is not what drafting costs: VerifyTimes clips it to twice the estimate
             if per_pass:
                 self.draft_pass.observe(batch, draft_seconds)
+                if asked:
+                    self.draft_asked.observe(batch * asked, draft_seconds)
             else:
                 self.draft_token.observe(batch, draft_seconds / gamma)
         self.verify.observe(tokens, verify_seconds)
@@ -292,14 +310,25 @@ def _width(prop: Proposal) -> tuple[list[int], int]:
 
 def kept_scores(prop: Proposal) -> list[list[float]]:
     """Per row and depth, the summed scores of a tree's verified nodes: the drafter's estimate of
-    the chance the accepted path reaches that depth."""
+    the chance the accepted path reaches that depth. (In Python lists: a few nodes a row, where
+    tensor ops run cold after a pass, ~0.2 ms a pass.)"""
     B, N = prop.tokens.shape
     if prop.scores is None or N == 0:
         return [[] for _ in range(B)]
-    real = torch.arange(N, device=prop.scores.device)[None] < prop.lengths[:, None]
-    d = depths(prop.parents)
-    by_depth = torch.zeros(B, N + 1, device=prop.scores.device).scatter_add_(1, d, prop.scores.float() * real)
-    return [row[1 : int(k) + 1] for row, k in zip(by_depth.tolist(), tree_depth(prop.parents, prop.lengths).tolist())]
+    out = []
+    for scores, parents, n in zip(prop.scores.float().tolist(), prop.parents.tolist(), prop.lengths.tolist()):
+        node_depths = depths_of(parents)[:n]
+        by_depth = [0.0] * max(node_depths, default=0)
+        for score, depth in zip(scores, node_depths):
+            by_depth[depth - 1] += score
+        out.append(by_depth)
+    return out
+
+
+def _lists(x):
+    """A tree's per-row scores, depths or lengths as (nested) lists: a few numbers a row, where the
+    tensor ops run cold after a pass."""
+    return x.tolist() if isinstance(x, torch.Tensor) else x
 
 
 @dataclass
@@ -313,6 +342,7 @@ class Plan:
     caps: list[int]
     retry: bool = False
     timing: bool = False  # the pass verifies a width to time it, not one chosen for what it yields
+    asked: int = 0  # the nodes the tree drafter was asked for
     lookup: bool = False  # the drafter's lookup alone drafted (HybridGamma: its trees are off)
 
 
@@ -379,10 +409,14 @@ class AutoGamma(PerRow):
         passes near a request's end are not taken for the widths to time; a tree smaller than the
         budget (a head unsure past its first depth) is timed at its own size."""
         full = cap == self.gamma_max if full is None else full
-        for gamma in (0, cap, cap // 2) if full else (0,):
+        for gamma in self._timed_gammas(cap, full):
             if not self.verify.covers(self.rows * (gamma + 1)):
                 return gamma
         return None
+
+    def _timed_gammas(self, cap: int, full: bool) -> tuple[int, ...]:
+        """The γs whose widths the first passes time: plain, the widest and half of it."""
+        return (0, cap, cap // 2) if full else (0,)
 
     def _retry_due(self) -> list[bool]:
         """Per row: whether it has waited long enough to be re-tried if it is off."""
@@ -520,6 +554,7 @@ class TreeGamma(AutoGamma):
         self.tree_tokens: list[float | None] = [None] * rows  # tokens per tree pass, a running mean
         self.tree_width: float | None = None  # block width of tree passes, a running mean
         self.widest_tree: int | None = None  # the most nodes a proposal has held (a head may never fill the budget)
+        self.asks = 0  # passes a tree was asked for
 
     def plan(self, room: int, propose: Callable[[int], Proposal]) -> Plan:
         """The whole budget asked of the drafter, then the nodes per row worth verifying."""
@@ -529,9 +564,11 @@ class TreeGamma(AutoGamma):
         prop = propose(budget)
         if prop.parents is None:  # no tree this pass
             return Plan(prop, [budget] * len(prop.lengths))
-        timing = self._timing_width(prop.scores, budget) is not None
-        caps, retry = self.choose_tree(prop.scores, depths(prop.parents), prop.lengths, budget)
-        return Plan(prop, caps, retry, timing)
+        scores = None if prop.scores is None else prop.scores.float().tolist()
+        timing = self._timing_width(scores, budget) is not None
+        caps, retry = self.choose_tree(scores, [depths_of(row) for row in prop.parents.tolist()],
+                                       prop.lengths.tolist(), budget)
+        return Plan(prop, caps, retry, timing, asked=budget)
 
     def learn(self, prop: Proposal, plan: Plan, accepted: list[int], draft_seconds: float,
               verify_seconds: float) -> None:
@@ -539,7 +576,7 @@ class TreeGamma(AutoGamma):
         lens, width = _width(prop)
         if prop.parents is not None:
             self.observe_tree(width, lens, accepted, kept_scores(prop), draft_seconds, verify_seconds, plan.retry,
-                              plan.timing)
+                              plan.timing, plan.asked)
         else:
             self.observe(max(plan.caps, default=0), width, lens, accepted, draft_seconds, verify_seconds,
                          self.per_pass, plan.retry)
@@ -548,9 +585,10 @@ class TreeGamma(AutoGamma):
     # batch 8 where they cost ~15% (155 tok/s against 169 with 0.9, `none` 183; bf16 CPU, 24
     # prompts), while at batch 1 both ran the same (58.5 and 57.9 tok/s side by side)
     TREE_MARGIN = 0.9
-    # for a drafter that deepens with its budget (the EAGLE chain beside q8): a tree pass there also
-    # costs ~1.5 ms of engine work the timings leave out (tree verify, cache moves, the head's
-    # hand-over), so at 0.9 it stayed on where it lost (0.90-0.95x plain on 3 of 8 categories)
+    # for a drafter that deepens with its budget (the EAGLE chain beside q8): at 0.9 it stayed on
+    # where it lost (0.90-0.95x plain on 3 of 8 categories), then judged by one mean over every
+    # proposal's cost (wide timing ones included, 2-4 ms against ~1.1 for one node); the engine's
+    # steps outside the draft and verify timings cost a tree pass ~0.1-0.2 ms more than a plain one
     DEEPENING_MARGIN = 1.1
 
     def tree_budget(self, room: int) -> int:
@@ -561,9 +599,10 @@ class TreeGamma(AutoGamma):
         a tree could pay at this batch size on the prior belief, and rows go off while the tokens
         their trees have been yielding do not pay for drafting and verifying them (a large batch)."""
         cap = max(0, min(self.gamma_max, room))
-        # while the widths a tree would be verified at are untimed, draft it whole (choose_tree times them)
+        # while the widths a tree would be verified at are untimed, draft it whole, or as deep as a
+        # deepening drafter is asked to draft (choose_tree times them)
         if self._unmeasured(min(cap, self.widest_tree or cap), full=cap == self.gamma_max) is not None:
-            return cap
+            return self._asked(cap)
         batch = self.rows
         if not all(self.judged):
             # at the full budget: a pass near a row's end (little room) says nothing of the rows' prospects
@@ -577,15 +616,43 @@ class TreeGamma(AutoGamma):
                 if on:
                     self._switch_off(row)
         if any(self.on) or any(self._retry_due()):
-            return self._asked(cap)
+            self.asks += 1
+            return self._asked(cap, probe=self.asks % self.PROBE_EVERY == 0)
         return 0
 
-    def _asked(self, cap: int) -> int:
-        """The nodes to ask for once the widths are timed: all of them, or where drafting deeper costs
-        more, two more than the trees verified lately (room to grow as the text gets easier)."""
-        if not self.deepens or self.tree_width is None:
+    # a deepening drafter is asked for one node more than its trees verify every this many passes
+    PROBE_EVERY = 4
+
+    def _asked(self, cap: int, probe: bool = False) -> int:
+        """The nodes to ask for: all of them, or where drafting deeper costs more, as many as the
+        trees verified lately (two before any was verified), one more when ``probe`` (room to grow
+        as the text gets easier). Two more every pass, as before, had the head draft levels that
+        the 1-2 nodes a CPU verifies never used (~0.45 ms of its ~1.7 a pass, q8 on a Zen 4)."""
+        if not self.deepens:
             return cap
-        return min(cap, max(2, round(self.tree_width) + 1))
+        if self.tree_width is None:
+            return min(cap, 2)
+        return min(cap, max(1, math.ceil(self.tree_width - 1.25)) + probe)
+
+    def _timed_gammas(self, cap: int, full: bool) -> tuple[int, ...]:
+        """A deepening drafter's trees stay as narrow as what it is asked for: its first passes time
+        the widths of 2 and 1 nodes (not the budget's: a q8 pass of 16 rows costs ~5 of one, and
+        these widths' costs, interpolated from it, were taken as ~0.3-1 ms dearer than they are)."""
+        if self.deepens:
+            return tuple(g for g in (0, 2, 1) if g <= cap)
+        return super()._timed_gammas(cap, full)
+
+    def costs(self, batch: int) -> StaticCosts:
+        costs = super().costs(batch)
+        if self.deepens and self.cost_model.draft_asked.points:
+            costs.draft_asked = lambda gamma: self._draft_seconds(batch, gamma)
+        return costs
+
+    def _draft_seconds(self, batch: int, asked: int) -> float:
+        """What a proposal costs: per proposal, or for a deepening drafter at the nodes asked."""
+        if self.deepens and self.cost_model.draft_asked.points:
+            return self.cost_model.draft_asked(batch * asked)
+        return self.cost_model.draft_pass(batch)
 
     def _switch_off(self, row: int) -> None:
         self.on[row], self.off_for[row] = False, 0
@@ -596,14 +663,16 @@ class TreeGamma(AutoGamma):
         TREE_MARGIN of what plain passes yield; True until tree passes at this engine have been timed."""
         if not self.cost_model.draft_pass.points or self.tree_width is None:
             return True
-        tokens = sum((TREE_PRIOR_TOKENS if t is None else t) if on else 1.0  # rows new to trees: the prior
+        prior = self.cost_model.tree_tokens
+        tokens = sum((prior if t is None else t) if on else 1.0  # rows new to trees: what trees have yielded here
                      for t, on in zip(self.tree_tokens, self.on))
-        tree = tokens / (self.cost_model.draft_pass(batch) + self.verify(round(batch * self.tree_width)))
+        drafting = self._draft_seconds(batch, self._asked(self.gamma_max))
+        tree = tokens / (drafting + self.verify(round(batch * self.tree_width)))
         return tree >= (self.DEEPENING_MARGIN if self.deepens else self.TREE_MARGIN) * batch / self.verify(batch)
 
     def _timing_width(self, scores, budget: int) -> int | None:
         """The width ``choose_tree`` verifies only to time it, or None."""
-        cap = min(budget, scores.shape[1]) if scores is not None else 0
+        cap = min(budget, len(scores[0]) if len(scores) else 0) if scores is not None else 0
         return self._unmeasured(cap, full=budget == self.gamma_max)
 
     def choose_tree(self, scores, depths, lengths, budget: int) -> tuple[list[int], bool]:
@@ -617,7 +686,8 @@ class TreeGamma(AutoGamma):
         this pass, are re-tried with the prior calibration now and then, and verify nothing if the
         retry does not look worth it."""
         batch = self.rows
-        cap = min(budget, scores.shape[1]) if scores is not None else 0
+        scores, depths, lengths = (None if scores is None else _lists(scores)), _lists(depths), _lists(lengths)
+        cap = min(budget, len(scores[0]) if len(scores) else 0) if scores is not None else 0
         if budget == self.gamma_max:
             self.widest_tree = max(self.widest_tree or 0, cap)
         explore = self._timing_width(scores, budget)
@@ -641,7 +711,7 @@ class TreeGamma(AutoGamma):
         # Estimates from an answer's first few misses (calibration at ~0.15) had switched rows off
         # for 16+ passes: 53.9 before against 56.3 tok/s side by side (bf16 CPU, eagle+ngram, 24
         # prompts), where a fixed γ 8 ran 57.2.
-        has_nodes = (lengths > 0).tolist()  # a model-free tree (suffix) may have none for a row: it goes off
+        has_nodes = [n > 0 for n in lengths]  # a model-free tree (suffix) may have none for a row: it goes off
         retrying = any(retry) and not any(self.on)  # drafted only to re-try rows that were off
         on = [row_on or (was_on and nodes) for row_on, was_on, nodes in zip(on, self.on, has_nodes)]
         if any(on) and width == 0:
@@ -651,21 +721,20 @@ class TreeGamma(AutoGamma):
 
     def _gains(self, scores, depths, lengths, cap: int, retry: list[bool]) -> list[list[float]]:
         """Per row, the expected tokens of a pass keeping its first 0, 1, ... nodes (a row re-tried:
-        by the prior calibration)."""
-        real = torch.arange(scores.shape[1], device=scores.device)[None] < lengths[:, None]
-        sc = (scores.float() * real)[:, :cap].cpu().tolist()
-        dp = depths[:, :cap].cpu().tolist()
+        by the prior calibration); scores, depths [B][N] and lengths [B] as lists."""
         gains = []
         for row in range(self.rows):
-            ratios = (RowCalibration() if retry[row] else self.calibration[row]).ratios(max(dp[row], default=0))
+            dp = depths[row][:cap]
+            ratios = (RowCalibration() if retry[row] else self.calibration[row]).ratios(max(dp, default=0))
             gain = [1.0]
-            for score, depth in zip(sc[row], dp[row]):
-                gain.append(gain[-1] + score * ratios[depth - 1])
+            for j, (score, depth) in enumerate(zip(scores[row][:cap], dp)):
+                gain.append(gain[-1] + (score if j < lengths[row] else 0.0) * ratios[depth - 1])
             gains.append(gain)
         return gains
 
     def observe_tree(self, width: int, lengths: list[int], accepted: list[int], predicted: list[list[float]],
-                     draft_seconds: float, verify_seconds: float, retry: bool = False, timing: bool = False) -> None:
+                     draft_seconds: float, verify_seconds: float, retry: bool = False, timing: bool = False,
+                     asked: int = 0) -> None:
         """What a tree pass did: block width, nodes verified, accepted depth, and per row the summed
         scores of its verified nodes at each depth; ``retry``: drafted to re-try rows that were off;
         ``timing``: its width was chosen to time it (the widest first), so it says nothing of the
@@ -674,7 +743,7 @@ class TreeGamma(AutoGamma):
         self.gammas_used.append(width - 1)
         self._observe_retry(retry, len(lengths), draft_seconds, verify_seconds)
         self.cost_model.observe_pass(width - 1, len(lengths) * width, draft_seconds, verify_seconds, per_pass=True,
-                                     batch=len(lengths))
+                                     batch=len(lengths), asked=asked if self.deepens else 0)
         if not timing:
             self.tree_width = float(width) if self.tree_width is None else 0.8 * self.tree_width + 0.2 * width
         for row, (d, n, pred) in enumerate(zip(lengths, accepted, predicted)):
@@ -682,8 +751,9 @@ class TreeGamma(AutoGamma):
                 self.calibration[row].observe(pred, n)
                 old = self.tree_tokens[row]
                 if old is None:  # a prior worth several passes: one unlucky tree does not switch a row off
-                    old = TREE_PRIOR_TOKENS
+                    old = self.cost_model.tree_tokens
                 self.tree_tokens[row] = 0.9 * old + 0.1 * (n + 1)
+                self.cost_model.observe_tree_tokens(n + 1)
                 self.off_for[row] = 0
             else:
                 self.off_for[row] += 1

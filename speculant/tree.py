@@ -25,7 +25,7 @@ def check_tree(parents: torch.Tensor, lengths: torch.Tensor) -> None:
                                      f"must be an earlier node (0..{i - 1}) or -1 for the root")
 
 
-def _depths_of(row: list[int]) -> list[int]:
+def depths_of(row: list[int]) -> list[int]:
     """One row's node depths from its parent list (a padding node whose parent is not earlier:
     depth 2, where it points at or past itself; 1 under the root)."""
     d: list[int] = []
@@ -48,13 +48,13 @@ def _ancestry_of(row: list[int]) -> list[list[int]]:
 
 def depths(parents: torch.Tensor) -> torch.Tensor:
     """[B, N] depth of each node below the root (children of the root: 1)."""
-    return torch.tensor([_depths_of(row) for row in parents.tolist()], dtype=torch.long,
+    return torch.tensor([depths_of(row) for row in parents.tolist()], dtype=torch.long,
                         device=parents.device).view(parents.shape)
 
 
 def tree_depth(parents: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """[B] the depth of each row's tree (its longest root-to-leaf path; 0 for no nodes)."""
-    most = [max(_depths_of(row)[:n], default=0) for row, n in zip(parents.tolist(), lengths.tolist())]
+    most = [max(depths_of(row)[:n], default=0) for row, n in zip(parents.tolist(), lengths.tolist())]
     return torch.tensor(most, dtype=torch.long, device=parents.device)
 
 
@@ -68,7 +68,7 @@ def block_layout(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     node i its depth) and visibility [B, N+1, N+1] (query t sees block slot s)."""
     B, N = parents.shape
     parent_rows = parents.tolist()  # one copy off the device for both walks
-    offsets = torch.tensor([[0] + _depths_of(row) for row in parent_rows], dtype=torch.long,
+    offsets = torch.tensor([[0] + depths_of(row) for row in parent_rows], dtype=torch.long,
                            device=parents.device).view(B, N + 1)
     vis = torch.zeros(B, N + 1, N + 1, dtype=torch.bool, device=parents.device)
     vis[:, :, 0] = True

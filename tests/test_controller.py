@@ -515,3 +515,90 @@ def test_a_hybrids_lookup_is_not_charged_its_heads_drafting():
         ctl.learn(prop, plan, [n], 0.0 if plan.lookup else 3.0, 1.0 + 0.05 * (width - 1))
     assert len(lookup_caps) > 250
     assert sum(c >= 1 for c in lookup_caps[-100:]) > 80, lookup_caps[-100:]
+
+
+def _deepening_passes(ctl, passes: int, draft_cost, verify_cost, score: float, accept, rng):
+    """Drive ``ctl`` (a TreeGamma for a drafter whose cost grows with the nodes asked, an EAGLE chain
+    on the CPU kernels) through the engine's calls: each proposal a chain of the nodes asked, scoring
+    score, score², ...; each verified node accepted with probability ``accept`` up to the first miss.
+    Returns (nodes asked, nodes verified) per pass (0: no tree asked for)."""
+    import torch
+
+    from speculant.drafters.base import tree_proposal
+    from speculant.engine import _cap
+
+    out = []
+
+    def propose(budget):
+        chain = ([5] * budget, list(range(-1, budget - 1)), [score ** d for d in range(1, budget + 1)])
+        return tree_proposal([chain], torch.device("cpu"))
+
+    for _ in range(passes):
+        plan = ctl.plan(50, lambda budget: propose(budget) if budget else _no_tree())
+        prop = _cap(plan.prop, plan.caps)
+        verified = int(prop.lengths[0])
+        n = 0
+        while n < verified and rng.random() < accept:
+            n += 1
+        out.append((plan.asked if plan.prop.parents is not None else 0, verified))
+        ctl.learn(prop, plan, [n], draft_cost(plan.asked) if plan.asked else 0.0, verify_cost(verified + 1))
+    return out
+
+
+def _no_tree():
+    import torch
+
+    from speculant.drafters.base import Proposal
+
+    return Proposal(torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+
+
+def q8_verify(k):  # a q8 pass by width on a Zen 4 (ms): rows 2-3 cheap, the fourth dear
+    return {1: 4.1, 2: 4.5, 3: 4.7, 4: 5.6}.get(k, 5.6 + 1.2 * (k - 4))
+
+
+def test_a_deepening_drafter_is_timed_at_narrow_widths_and_asked_for_what_its_trees_verify():
+    """An EAGLE chain on the CPU kernels costs a head step a level (here 0.6 ms + 0.35 a node). Its
+    first passes time the widths of 2 and 1 nodes, not the 15-node budget's (a q8 pass of 16 rows
+    costs ~5 of one); then it is asked for the nodes its trees verify, and one more every
+    PROBE_EVERY passes, so the levels beyond what is verified are not drafted every pass."""
+    ctl = TreeGamma(rows=1, gamma_max=15, deepens=True)
+    passes = _deepening_passes(ctl, 80, lambda asked: 0.6 + 0.35 * asked, q8_verify, 0.7, 0.7, random.Random(1))
+    assert max(asked for asked, _ in passes) <= 3, passes
+    assert max(ctl.cost_model.verify.points) <= 4, ctl.cost_model.verify.points  # never the budget's 16 rows
+    late = [asked for asked, _ in passes[20:]]
+    assert all(a >= 1 for a in late), passes  # these trees pay: drafting stays on
+    verified = [v for _, v in passes[20:]]
+    assert sum(a > v for a, v in zip(late, verified)) <= len(late) // 3, passes  # few levels drafted for nothing
+    # the cost model keeps a proposal's cost by the nodes asked, not one mean over all of them
+    assert ctl.cost_model.draft_asked(1) < ctl.cost_model.draft_asked(2)
+
+
+def test_a_deepening_drafters_rows_start_on_when_its_narrow_trees_pay():
+    """Judged by what its wide timing proposals cost (15 nodes: ~4 ms), a head whose one-node trees pay
+    (0.9 ms, 70 % accepted) had every new request's rows start off and never drafted again (q8 on a
+    Zen 4: `eagle` γ auto 0.97x plain where γ 1 ran 1.11x). Judged at what it is asked for, the next
+    request's rows draft from its first pass."""
+    costs = CostModel()
+    first = TreeGamma(rows=1, gamma_max=15, costs=costs, deepens=True)
+    _deepening_passes(first, 40, lambda asked: 0.6 + 0.3 * asked, q8_verify, 0.8, 0.7, random.Random(2))
+    costs.draft_pass.points = {1: 4.0}  # what a mean over every proposal may say after wide ones
+    nxt = TreeGamma(rows=1, gamma_max=15, costs=costs, deepens=True)
+    passes = _deepening_passes(nxt, 10, lambda asked: 0.6 + 0.3 * asked, q8_verify, 0.8, 0.7, random.Random(3))
+    assert all(asked >= 1 for asked, _ in passes), passes
+
+
+def test_a_deepening_drafter_that_does_not_pay_goes_off_and_new_rows_learn_it_sooner():
+    """The same head on text it rarely predicts (10 % accepted): its trees are switched off, and the
+    yield this engine's trees have had is where the next request's rows start, so they go off in
+    fewer passes than the first request's did."""
+    costs = CostModel()
+    first = _deepening_passes(TreeGamma(rows=1, gamma_max=15, costs=costs, deepens=True), 120,
+                              lambda asked: 0.6 + 0.3 * asked, q8_verify, 0.8, 0.1, random.Random(4))
+    assert sum(asked > 0 for asked, _ in first[60:]) <= 60 // 8, first  # off but for the retries
+    assert costs.tree_tokens < 2.0
+    nxt = _deepening_passes(TreeGamma(rows=1, gamma_max=15, costs=costs, deepens=True), 40,
+                            lambda asked: 0.6 + 0.3 * asked, q8_verify, 0.8, 0.1, random.Random(5))
+    on_first = next(i for i, (asked, _) in enumerate(first[3:]) if asked == 0)
+    on_next = next(i for i, (asked, _) in enumerate(nxt) if asked == 0)
+    assert on_next < on_first, (on_first, on_next)
