@@ -6,6 +6,8 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import speculant
 from speculant.drafters.base import DraftContext
@@ -329,3 +331,20 @@ def test_stopping_the_tree_early_leaves_the_proposal_unchanged(trained, monkeypa
         n = int(cut.lengths[0])
         assert n == min(budget, int(whole.lengths[0]))
         assert torch.equal(cut.tokens[0, :n], whole.tokens[0, :n]) and torch.equal(cut.parents[0, :n], whole.parents[0, :n])
+
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 4), max_size=6), st.integers(0, 20))
+def test_feature_blocks_split_at_any_row(sizes, k):
+    """The head keeps its unfed and waiting features as lists of blocks (none empty): the first k
+    rows and the rest, split across blocks, are the whole's rows in order, in blocks none empty."""
+    from speculant.drafters.eagle import _split_rows, joined_rows
+
+    blocks = [torch.arange(n * 2, dtype=torch.float32).view(n, 2) + 100 * i for i, n in enumerate(sizes)]
+    whole = torch.cat(blocks) if blocks else torch.zeros(0, 2)
+    first, rest = _split_rows(blocks, k)
+    taken = min(k, whole.shape[0])
+    assert all(b.shape[0] > 0 for b in first + rest)
+    assert torch.equal(joined_rows(first) if first else whole[:0], whole[:taken])
+    assert torch.equal(joined_rows(rest) if rest else whole[:0], whole[taken:])

@@ -213,21 +213,24 @@ class EagleDrafter(Drafter):
         self.values = [torch.zeros(shape, dtype=net.dtype, device=dev) for _ in net.layers]
         self.lengths = torch.zeros(B, dtype=torch.long, device=dev)
         # per row: (target features, next token) pairs not yet fed, and features still waiting
-        # for the token after them (the last prompt token's: the target's first token)
-        self.unfed = [(h[:-1], list(p[1:])) for h, p in zip(ctx.prompt_hidden, ctx.prompts)]
-        self.waiting = [h[-1:] for h in ctx.prompt_hidden]
+        # for the token after them (the last prompt token's: the target's first token); features
+        # as lists of blocks of rows, joined when fed (a pass's two concatenations had cost ~0.1 ms,
+        # a head switched off included, whose unfed features then grew each pass)
+        self.features = ctx.prompt_hidden[0].shape[1:]
+        self.unfed = [(_rows(h[:-1]), list(p[1:])) for h, p in zip(ctx.prompt_hidden, ctx.prompts)]
+        self.waiting = [[h[-1:]] for h in ctx.prompt_hidden]
         self.first = True  # the first proposal feeds the prompts: a one-off (catchup_seconds)
 
     def observe_hidden(self, hidden: list[torch.Tensor]) -> None:
-        self.waiting = [torch.cat([w, h]) for w, h in zip(self.waiting, hidden)]
+        self.waiting = [w + _rows(h) for w, h in zip(self.waiting, hidden)]
 
     def update(self, new_tokens, n_accepted) -> None:
-        unfed = []
-        for (feats, toks), waiting, new in zip(self.unfed, self.waiting, new_tokens):
-            k = min(len(new), waiting.shape[0])
-            unfed.append((torch.cat([feats, waiting[:k]]), toks + list(new[:k])))
-        self.unfed = unfed
-        self.waiting = [w[min(len(new), w.shape[0]):] for w, new in zip(self.waiting, new_tokens)]
+        unfed, waiting = [], []
+        for (feats, toks), blocks, new in zip(self.unfed, self.waiting, new_tokens):
+            paired, rest = _split_rows(blocks, len(new))
+            unfed.append((feats + paired, toks + list(new[: sum(b.shape[0] for b in paired)])))
+            waiting.append(rest)
+        self.unfed, self.waiting = unfed, waiting
 
     # per-row state (PerRow); caches of different sizes are padded to the larger on a join
     row_fields = ("lengths", "unfed", "waiting")
@@ -265,18 +268,18 @@ class EagleDrafter(Drafter):
         lens = [len(t) for _, t in self.unfed]
         W = max(max(lens), 1)
         if lens == [W]:  # one row, nothing to pad: its features as they are (a zeroed block and a copy ~60 us cold)
-            feats = self.unfed[0][0].to(dev, self.net.dtype)[None]
+            feats = joined_rows(self.unfed[0][0]).to(dev, self.net.dtype)[None]
         else:
-            feats = torch.zeros(len(self.unfed), W, *self.unfed[0][0].shape[1:], dtype=self.net.dtype, device=dev)
+            feats = torch.zeros(len(self.unfed), W, *self.features, dtype=self.net.dtype, device=dev)
             for b, (f, t) in enumerate(self.unfed):
                 if t:
-                    feats[b, : len(t)] = f.to(dev, self.net.dtype)
+                    feats[b, : len(t)] = joined_rows(f).to(dev, self.net.dtype)
         tokens = torch.tensor([t + [0] * (W - len(t)) for _, t in self.unfed], dtype=torch.long, device=dev)
         starts = self.lengths.tolist()
         positions = torch.tensor([[s + j for j in range(W)] for s in starts], dtype=torch.long, device=dev)
         slots = torch.tensor([[s + j if j < n else self.spare for j in range(W)] for s, n in zip(starts, lens)],
                              dtype=torch.long, device=dev)
-        self.unfed = [(f[:0], []) for f, _ in self.unfed]
+        self.unfed = [([], []) for _ in self.unfed]
         return torch.tensor(lens, dtype=torch.long, device=dev), feats, tokens, positions, slots
 
     def _catch_up(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -390,6 +393,32 @@ class EagleDrafter(Drafter):
         lengths = torch.full((B,), n, dtype=torch.long, device=dev)
         return Proposal(tokens, lengths, None, torch.tensor(parents, dtype=torch.long, device=dev).view(B, n),
                         score.gather(1, order).exp())
+
+
+def _rows(block: torch.Tensor) -> list[torch.Tensor]:
+    """A block of feature rows as a list of blocks (none for no rows)."""
+    return [block] if block.shape[0] else []
+
+
+def _split_rows(blocks: list[torch.Tensor], k: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The first ``k`` rows of a list of blocks (or all there are), and the rest, as blocks."""
+    first, rest = [], []
+    for block in blocks:
+        n = block.shape[0]
+        if k >= n:
+            first.append(block)
+        elif k > 0:
+            first.append(block[:k])
+            rest.append(block[k:])
+        else:
+            rest.append(block)
+        k = max(0, k - n)
+    return first, rest
+
+
+def joined_rows(blocks: list[torch.Tensor]) -> torch.Tensor:
+    """The rows of a non-empty list of blocks as one tensor."""
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
 
 
 def _vllm(folder: str, cfg: dict, fixed: int | None) -> dict:  # vLLM drafts a chain of N tokens with it

@@ -17,7 +17,7 @@ from ..sampling import TokenHistory
 from ..trained.format import default_taps, load_network, read_config, tensor_names
 from ..trained.peagle import PEagleNet
 from .base import DraftContext, Proposal, draft_slots
-from .eagle import BEAM, DEPTH, EagleDrafter
+from .eagle import BEAM, DEPTH, EagleDrafter, joined_rows
 from .spec import TrainedKind
 
 
@@ -79,7 +79,7 @@ class PEagleDrafter(EagleDrafter):
         steps = torch.arange(W, device=dev)[None]
         for b, (f, t) in enumerate(self.unfed):
             if t:
-                hidden[b, : len(t)] = net.features(f.to(dev))
+                hidden[b, : len(t)] = net.features(joined_rows(f).to(dev))
                 tokens[b, : len(t)] = torch.tensor(t, device=dev)
         # pair t of row b at position lengths + t; mask slot d after its last pair at lengths + count - 1 + d
         depth = steps - counts[:, None] + 1
@@ -91,7 +91,7 @@ class PEagleDrafter(EagleDrafter):
         _, normed = net.step(self.embed(tokens), hidden, positions,
                              [self._kv(i, slots, width) for i in range(len(net.layers))], mask)
         self.lengths = self.lengths + counts
-        self.unfed = [(f[:0], []) for f, _ in self.unfed]
+        self.unfed = [([], []) for _ in self.unfed]
         at = (counts - 1).clamp_min(0)[:, None] + torch.arange(n, device=dev)[None]  # the last pair, then the masks
         logits = self._full_logits(normed.gather(1, at[..., None].expand(-1, -1, normed.shape[-1])))
         return draft_slots(self.ctx, self.history, logits, n)
