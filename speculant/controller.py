@@ -668,7 +668,11 @@ class TreeGamma(AutoGamma):
                      for t, on in zip(self.tree_tokens, self.on))
         drafting = self._draft_seconds(batch, self._asked(self.gamma_max))
         tree = tokens / (drafting + self.verify(round(batch * self.tree_width)))
-        return tree >= (self.DEEPENING_MARGIN if self.deepens else self.TREE_MARGIN) * batch / self.verify(batch)
+        return tree >= (self.DEEPENING_MARGIN if self.deepens else self.TREE_MARGIN) * self._rate_without_trees(batch)
+
+    def _rate_without_trees(self, batch: int) -> float:
+        """Tokens a second of the passes the batch makes while its trees are off: plain ones."""
+        return batch / self.verify(batch)
 
     def _timing_width(self, scores, budget: int) -> int | None:
         """The width ``choose_tree`` verifies only to time it, or None."""
@@ -764,21 +768,32 @@ class HybridGamma(TreeGamma):
     pay, and while they do not (every row off, none due for a retry) the lookup's chains alone, as
     ChainGamma chooses them for a drafter whose drafts cost nothing. Switching the head off beside
     q8 (where it rarely pays) had switched the lookup off with it: `eagle+ngram` ran 1.04x plain
-    decoding where `ngram` alone ran 1.16x (translation 1.06x against 1.42x)."""
+    decoding where `ngram` alone ran 1.16x (translation 1.06x against 1.42x). Trees stay on only
+    while they yield more a second than the lookup's passes have (plain passes' before any): judged
+    against plain passes, the head's trees stayed on where the lookup alone did better (`eagle+ngram`
+    1.07x plain q8 where `ngram` ran 1.13x, 2-core Zen 4). While the trees are on, every
+    LOOKUP_EVERY-th pass drafts the lookup alone to time it."""
 
-    row_fields = TreeGamma.row_fields + ("lookup",)
+    LOOKUP_EVERY = 16
+
+    row_fields = TreeGamma.row_fields + ("lookup", "lookup_tokens")
 
     def __init__(self, rows: int, gamma_max: int = 8, retry_every: int = 16, costs: CostModel | None = None,
                  per_pass: bool = True, deepens: bool = False):
         super().__init__(rows, gamma_max, retry_every, costs, per_pass, deepens)
         self.lookup = ChainGamma(rows, gamma_max, retry_every, self.cost_model, sees_drafts=True)
+        self.lookup_tokens: list[float | None] = [None] * rows  # per row: tokens a lookup pass, a running mean
+        self.lookup_seconds: float | None = None  # what a lookup pass costs (drafting and verifying), a running mean
+        self.tree_passes = 0  # since the last lookup pass
 
     def plan(self, room: int, propose: Callable[..., Proposal]) -> Plan:
         """A tree pass (``propose(budget)``), or while the trees are off, the lookup's chains
         (``propose(γ, lookup=True)``)."""
         budget = self.tree_budget(room)
-        if budget > 0:
+        if budget > 0 and self.tree_passes + 1 < self.LOOKUP_EVERY:
+            self.tree_passes += 1
             return self._plan_tree(budget, propose)
+        self.tree_passes = 0
         plan = self.lookup.plan(room, lambda gamma: propose(gamma, lookup=True))
         plan.lookup = True
         return plan
@@ -790,3 +805,15 @@ class HybridGamma(TreeGamma):
         self.lookup.learn(prop, plan, accepted, draft_seconds, verify_seconds)
         self.gammas_used.append(max(plan.caps, default=0))
         self.off_for = [n + 1 for n in self.off_for]  # the trees' rows count the passes toward their retry
+        self.lookup_tokens = [n + 1.0 if old is None else 0.8 * old + 0.2 * (n + 1)
+                              for old, n in zip(self.lookup_tokens, accepted)]
+        seconds = draft_seconds + verify_seconds
+        old = self.lookup_seconds
+        self.lookup_seconds = seconds if old is None else 0.8 * old + 0.2 * min(seconds, 2 * old)  # a pause is not a pass
+
+    def _rate_without_trees(self, batch: int) -> float:
+        """The lookup's passes' tokens a second where they have been timed, if more than plain ones'."""
+        plain = super()._rate_without_trees(batch)
+        if self.lookup_seconds is None:
+            return plain
+        return max(plain, sum(1.0 if t is None else t for t in self.lookup_tokens) / self.lookup_seconds)

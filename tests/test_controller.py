@@ -602,3 +602,36 @@ def test_a_deepening_drafter_that_does_not_pay_goes_off_and_new_rows_learn_it_so
     on_first = next(i for i, (asked, _) in enumerate(first[3:]) if asked == 0)
     on_next = next(i for i, (asked, _) in enumerate(nxt) if asked == 0)
     assert on_next < on_first, (on_first, on_next)
+
+
+def test_a_hybrids_trees_go_off_where_its_lookup_alone_yields_more():
+    """X+ngram where the lookup's chains alone yield ~3 tokens a pass and the head's trees ~2.5 at
+    1.5 passes' cost: the trees beat plain passes (1.7x) but lose to the lookup's (2.9x), so the
+    passes draft the lookup alone, the trees re-tried now and then. Judged against plain passes,
+    the trees had stayed on."""
+    import torch
+
+    from speculant.controller import HybridGamma
+    from speculant.drafters.base import Proposal, tree_proposal
+    from speculant.engine import _cap
+
+    ctl = HybridGamma(rows=1, gamma_max=8)
+    kinds = []
+
+    def propose(budget, lookup=False):
+        kinds.append("lookup" if lookup else "tree")
+        if lookup:
+            return Proposal(torch.arange(10, 10 + budget)[None], torch.tensor([budget]), grades=[3])
+        chain = ([5] * budget, list(range(-1, budget - 1)), [0.8 ** d for d in range(1, budget + 1)])
+        return tree_proposal([chain], torch.device("cpu"))
+
+    rng = random.Random(4)
+    for _ in range(300):
+        plan = ctl.plan(50, propose)
+        prop = _cap(plan.prop, plan.caps)
+        drafted = int(prop.lengths[0])
+        accepted = [min(drafted, 2 if plan.lookup else rng.choice([1, 2]))]
+        width = prop.tokens.shape[1] + 1
+        ctl.learn(prop, plan, accepted, 0.0 if plan.lookup else 0.5, 1.0 + 0.01 * width)
+    later = kinds[100:]
+    assert later.count("lookup") > 150 and later.count("tree") < 30, later
