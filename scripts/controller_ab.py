@@ -9,15 +9,13 @@ under a name of its own; the engine's γ controls and cost model swapped in for 
 with this tree's. Made benchmarks/results/cpu-AVX512BF16-2026-11-29-zen4-gamma-auto/."""
 import argparse
 import collections
-import json
 import subprocess
 import sys
 import time
 
 import speculant
-from ab_common import REPO
+from ab_common import REPO, dump_side_by_side
 from speculant import controller, engine
-from speculant.bench.machine import machine_info
 from speculant.bench.prompts import read_prompts
 
 CONTROLS = ("ChainGamma", "CostModel", "FixedGamma", "HybridGamma", "TreeGamma")
@@ -90,9 +88,7 @@ def main() -> None:
         print(m.ljust(30) + "".join(f"{per[c]:10.3f}" for c in categories) +
               f"{summary[m]['vs_plain']:10.3f}{rate(m, categories):8.1f}{tau:7.2f}")
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"args": vars(a), "machine": machine_info(), "summary": summary,
-                       "by_method_and_category": {f"{m}|{c}": v for (m, c), v in res.items()}}, f, indent=1)
+        dump_side_by_side(a.out, a, summary, res)
 
 
 if __name__ == "__main__":

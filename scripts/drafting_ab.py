@@ -18,15 +18,13 @@ Made benchmarks/results/cpu-AVX512BF16-2026-11-27-eagle-chain/, .../cpu-AVX512BF
 .../cpu-AVX512BF16-2026-11-27-one-region/ and .../cpu-AVX2-2026-11-28-zen3-float32-drafts/."""
 import argparse
 import collections
-import json
 import os
 import time
 from unittest import mock
 
 import speculant
-from ab_common import Kernels
+from ab_common import Kernels, dump_side_by_side
 from speculant import controller
-from speculant.bench.machine import machine_info
 from speculant.bench.prompts import read_prompts
 from speculant.drafters import make_drafter
 from speculant.models import cpu_kernels
@@ -116,9 +114,7 @@ def main() -> None:
               f"{s['vs_first']:10.3f}{s['tokens_per_second']:8.1f}{s['tau']:7.2f}{s['drafting_ms_per_pass']:10.2f}"
               f"{s['rest_ms_per_pass']:9.2f}")
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"args": vars(a), "machine": machine_info(), "summary": summary,
-                       "by_method_and_category": {f"{m}|{c}": v for (m, c), v in res.items()}}, f, indent=1)
+        dump_side_by_side(a.out, a, summary, res)
 
 
 if __name__ == "__main__":

@@ -660,7 +660,8 @@ class TreeGamma(AutoGamma):
 
     def _trees_pay(self, batch: int) -> bool:
         """Whether the rows that are on yield, per second of tree passes (drafting included), at least
-        TREE_MARGIN of what plain passes yield; True until tree passes at this engine have been timed."""
+        TREE_MARGIN of what the passes without trees yield (``_rate_without_trees``); True until tree
+        passes at this engine have been timed."""
         if not self.cost_model.draft_pass.points or self.tree_width is None:
             return True
         prior = self.cost_model.tree_tokens

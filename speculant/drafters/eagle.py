@@ -216,7 +216,7 @@ class EagleDrafter(Drafter):
         # for the token after them (the last prompt token's: the target's first token); features
         # as lists of blocks of rows, joined when fed (a pass's two concatenations had cost ~0.1 ms,
         # a head switched off included, whose unfed features then grew each pass)
-        self.features = ctx.prompt_hidden[0].shape[1:]
+        self.feature_shape = ctx.prompt_hidden[0].shape[1:]  # [taps, hidden]
         self.unfed = [(_rows(h[:-1]), list(p[1:])) for h, p in zip(ctx.prompt_hidden, ctx.prompts)]
         self.waiting = [[h[-1:]] for h in ctx.prompt_hidden]
         self.first = True  # the first proposal feeds the prompts: a one-off (catchup_seconds)
@@ -270,7 +270,7 @@ class EagleDrafter(Drafter):
         if lens == [W]:  # one row, nothing to pad: its features as they are (a zeroed block and a copy ~60 us cold)
             feats = joined_rows(self.unfed[0][0]).to(dev, self.net.dtype)[None]
         else:
-            feats = torch.zeros(len(self.unfed), W, *self.features, dtype=self.net.dtype, device=dev)
+            feats = torch.zeros(len(self.unfed), W, *self.feature_shape, dtype=self.net.dtype, device=dev)
             for b, (f, t) in enumerate(self.unfed):
                 if t:
                     feats[b, : len(t)] = joined_rows(f).to(dev, self.net.dtype)
