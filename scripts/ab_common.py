@@ -43,6 +43,18 @@ def dump_side_by_side(path: str, args, summary: dict, res: dict) -> None:
 REPO = Path(__file__).resolve().parent.parent
 
 
+def controller_at(rev: str):
+    """``rev``'s speculant/controller.py as a module of its own (its relative imports: this tree's)."""
+    src = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:speculant/controller.py"], capture_output=True,
+                         text=True, check=True).stdout
+    name = "speculant.controller_base"
+    module = type(sys)(name)
+    module.__package__ = "speculant"
+    sys.modules[name] = module  # dataclasses look their module up
+    exec(compile(src, f"{rev}:speculant/controller.py", "exec"), module.__dict__)
+    return module
+
+
 def base_kernels(rev: str):
     """The CPU kernels module built from ``rev``'s csrc/ under a name of its own (beside this tree's)."""
     folder = Path(tempfile.mkdtemp(prefix="speculant-base-"))

@@ -4,7 +4,7 @@ per bench category against the first method, τ, and drafting / the rest of a pa
     python scripts/drafting_ab.py --dtype q8 --methods "none;eagle@2;eagle@2:tree;ngram@auto" \
         [--per-category 1] [--repeats 2] [--tokens 64] [--out ab.json]
 
-A method is DRAFTER[@GAMMA][:tree][:float32-head][:trees-only][:charged-lookup][:base]; ``:tree`` drafts an EAGLE
+A method is DRAFTER[@GAMMA][:tree][:float32-head][:trees-only][:charged-lookup][:base|:base-controller]; ``:tree`` drafts an EAGLE
 head's tree in PyTorch calls where it would otherwise draft its chain in one kernel call (beside a
 target on the CPU kernels); ``:float32-head`` builds the drafter as ``SPECULANT_CPU_KERNELS=onednn``
 would (beside a float32 target: its network in float32, not on the int8 kernels), the target as the
@@ -13,9 +13,13 @@ trees are off (the control before controller.HybridGamma); ``:charged-lookup`` h
 chains the engine's drafting cost, as it did before 2026-11-28 (``X+ngram``'s lookup the head's
 ~2 ms a proposal); ``:base`` runs on the CPU kernels built
 from ``--base REV``'s csrc/ (a git revision: a kernel change against the build before it, in one
-process: ``--base HEAD~1 --methods "none:base;none;eagle@2:base;eagle@2"``).
+process: ``--base HEAD~1 --methods "none:base;none;eagle@2:base;eagle@2"``); ``:base-controller`` runs
+γ auto with ``--base``'s speculant/controller.py (loaded under a name of its own, the engine's γ
+controls and cost model swapped in for the method's calls) on this tree's kernels: ``--base REV
+--methods "none;eagle+ngram@auto:base-controller;eagle+ngram@auto"``.
 Made benchmarks/results/cpu-AVX512BF16-2026-11-27-eagle-chain/, .../cpu-AVX512BF16-2026-11-27-lighter-passes/,
-.../cpu-AVX512BF16-2026-11-27-one-region/ and .../cpu-AVX2-2026-11-28-zen3-float32-drafts/."""
+.../cpu-AVX512BF16-2026-11-27-one-region/, .../cpu-AVX2-2026-11-28-zen3-float32-drafts/ and
+.../cpu-AVX512BF16-2026-11-29-zen4-gamma-auto/."""
 import argparse
 import collections
 import os
@@ -23,11 +27,14 @@ import time
 from unittest import mock
 
 import speculant
-from ab_common import Kernels, dump_side_by_side
-from speculant import controller
+from ab_common import Kernels, controller_at, dump_side_by_side
+from speculant import controller, engine
 from speculant.bench.prompts import read_prompts
 from speculant.drafters import make_drafter
 from speculant.models import cpu_kernels
+
+
+CONTROLS = ("ChainGamma", "CostModel", "FixedGamma", "HybridGamma", "TreeGamma")  # what engine.py takes of controller.py
 
 
 def eagle_in(drafter):
@@ -45,22 +52,28 @@ def main() -> None:
     p.add_argument("--base", help="a git revision whose CPU kernels the methods marked :base run on")
     p.add_argument("--out")
     a = p.parse_args()
-    kernels = Kernels(a.base)
+    names = a.methods.split(";")
+    kernels = Kernels(a.base if any(m.endswith(":base") for m in names) else None)
+    base_controller = controller_at(a.base) if a.base and any(m.endswith(":base-controller") for m in names) else None
     by_category = collections.defaultdict(list)
     for prompt in read_prompts():
         by_category[prompt.category].append(prompt.prompt)
     methods = {}
-    on_base, charged = {}, {}
+    on_base, base_control, charged = {}, {}, {}
     verifying = controller.ChainGamma.verifying
 
-    def use(m):  # a method's kernels, and how its γ auto weighs seen chains
+    def use(m):  # a method's kernels, its γ controls, and how its γ auto weighs seen chains
         kernels.use(on_base[m])
+        for name in CONTROLS:
+            setattr(engine, name, getattr(base_controller if base_control[m] else controller, name))
         controller.ChainGamma.verifying = (lambda ctl, batch: ctl.costs(batch)) if charged[m] else verifying
 
-    for m in a.methods.split(";"):
+    for m in names:
         spec, on_base[m] = (m[: -len(":base")], True) if m.endswith(":base") else (m, False)
-        if on_base[m] and not a.base:
-            p.error(f"{m}: :base needs --base REV")
+        spec, base_control[m] = ((spec[: -len(":base-controller")], True) if spec.endswith(":base-controller")
+                                 else (spec, False))
+        if (on_base[m] or base_control[m]) and not a.base:
+            p.error(f"{m}: :base and :base-controller need --base REV")
         spec, charged[m] = (spec[: -len(":charged-lookup")], True) if spec.endswith(":charged-lookup") else (spec, False)
         use(m)  # a method's model binds its layers in the module it will run on
         spec, trees_only = (spec[: -len(":trees-only")], True) if spec.endswith(":trees-only") else (spec, False)
@@ -68,6 +81,8 @@ def main() -> None:
         spec, tree = (spec[:-5], True) if spec.endswith(":tree") else (spec, False)
         drafter, _, gamma = spec.partition("@")
         gen = speculant.load("default", drafter=drafter, dtype=a.dtype)
+        if base_control[m]:
+            gen.engine.costs = base_controller.CostModel()
         if float32_head:
             with mock.patch.dict(os.environ, {cpu_kernels.ENV: "onednn"}):
                 head = make_drafter(drafter, gen.target)
@@ -100,7 +115,8 @@ def main() -> None:
         return {k: sum(res[(m, c)][k] for c in cats) for k in ("tokens", "seconds", "passes", "drafting")}
 
     summary = {}
-    print("method".ljust(20) + "".join(c[:9].rjust(10) for c in categories) + "       all   tok/s    tau  draft ms  rest ms")
+    pad = max(20, max(map(len, methods)) + 1)
+    print("method".ljust(pad) + "".join(c[:9].rjust(10) for c in categories) + "       all   tok/s    tau  draft ms  rest ms")
     for m in methods:
         t, b = total(m, categories), total(base, categories)
         per = {c: (res[(m, c)]["tokens"] / res[(m, c)]["seconds"]) / (res[(base, c)]["tokens"] / res[(base, c)]["seconds"])
@@ -110,7 +126,7 @@ def main() -> None:
                       "drafting_ms_per_pass": t["drafting"] / t["passes"] * 1e3,
                       "rest_ms_per_pass": (t["seconds"] - t["drafting"]) / t["passes"] * 1e3}
         s = summary[m]
-        print(m.ljust(20) + "".join(f"{per[c]:10.3f}" for c in categories) +
+        print(m.ljust(pad) + "".join(f"{per[c]:10.3f}" for c in categories) +
               f"{s['vs_first']:10.3f}{s['tokens_per_second']:8.1f}{s['tau']:7.2f}{s['drafting_ms_per_pass']:10.2f}"
               f"{s['rest_ms_per_pass']:9.2f}")
     if a.out:

@@ -325,12 +325,6 @@ def kept_scores(prop: Proposal) -> list[list[float]]:
     return out
 
 
-def _lists(x):
-    """A tree's per-row scores, depths or lengths as (nested) lists: a few numbers a row, where the
-    tensor ops run cold after a pass."""
-    return x.tolist() if isinstance(x, torch.Tensor) else x
-
-
 @dataclass
 class Plan:
     """One pass's drafting as the γ control chose it: the drafter's proposal, each row's cap (its
@@ -681,8 +675,9 @@ class TreeGamma(AutoGamma):
         return self._unmeasured(cap, full=budget == self.gamma_max)
 
     def choose_tree(self, scores, depths, lengths, budget: int) -> tuple[list[int], bool]:
-        """Nodes to verify per row from a best-first tree proposal (scores [B, N], sorted by the
-        drafter, each node's estimated chance to be on the target's path; depths [B, N]), and whether
+        """Nodes to verify per row from a best-first tree proposal (scores [B][N], sorted by the
+        drafter, each node's estimated chance to be on the target's path; depths [B][N]; lengths [B];
+        as lists: a few numbers a row, where tensor ops run cold after a pass), and whether
         the tree was drafted only to re-try rows that were off: the width maximising expected tokens
         per second, where a row's pass yields 1 + the sum over its kept nodes of score x the row's
         calibration at that node's depth, over the measured cost of a pass of that width. A row
@@ -691,7 +686,6 @@ class TreeGamma(AutoGamma):
         this pass, are re-tried with the prior calibration now and then, and verify nothing if the
         retry does not look worth it."""
         batch = self.rows
-        scores, depths, lengths = (None if scores is None else _lists(scores)), _lists(depths), _lists(lengths)
         cap = min(budget, len(scores[0]) if len(scores) else 0) if scores is not None else 0
         if budget == self.gamma_max:
             self.widest_tree = max(self.widest_tree or 0, cap)

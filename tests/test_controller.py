@@ -274,7 +274,7 @@ def _run_trees(ctl, passes, row_scores, accepted, draft_seconds, verify_cost):
         lengths = [len(n) for n in nodes]
         scores = torch.tensor([n + [0.0] * (budget - len(n)) for n in nodes])
         depths = torch.arange(1, budget + 1).repeat(rows, 1)
-        caps, retry = ctl.choose_tree(scores, depths, torch.tensor(lengths), budget)
+        caps, retry = ctl.choose_tree(scores.tolist(), depths.tolist(), lengths, budget)
         caps = [min(c, n) for c, n in zip(caps, lengths)]
         width = max(caps) + 1
         if width == 1:  # cut to nothing: the engine verifies the plain block
@@ -318,7 +318,7 @@ def _shallow_tree_passes(ctl, passes: int, draft_seconds: float, score: float = 
             widths.append(0)
             continue
         scores = torch.full((1, 8), score)
-        caps, retry = ctl.choose_tree(scores, torch.ones(1, 8, dtype=torch.long), torch.tensor([8]), budget)
+        caps, retry = ctl.choose_tree(scores.tolist(), [[1] * 8], [8], budget)
         width = caps[0] + 1
         widths.append(width)
         if width == 1:  # as the engine does: a tree cut to nothing is a plain pass
