@@ -30,7 +30,7 @@ PARTS = {  # (owner, attribute): what the report calls it
     (engine.Engine, "_draft"): "draft (all)", (engine.Engine, "_verify"): "verify (all)",
     (engine.Engine, "_catch_up"): "drafter catch-up", (engine.Engine, "_account"): "account",
     (engine.Engine, "_room"): "room", (engine.Engine, "_decide"): "decide (scores, acceptance)",
-    (fast.StaticKVState, "keep_path"): "tree: keep path", (eagle.EagleDrafter, "_unfed_pairs"): "eagle: unfed pairs",
+    (fast.StaticKVState, "keep_path"): "tree: keep path", (eagle.EagleDrafter, "_unfed_block"): "eagle: unfed pairs",
     (eagle.EagleDrafter, "_best_first"): "eagle: best first", (eagle.KernelLayers, "chain"): "eagle: chain call",
 }
 FUNCTIONS = {"_accept": "acceptance", "block_layout": "tree: block layout", "path_block_index": "tree: path index"}

@@ -20,7 +20,7 @@ from .errors import SpeculantError
 from .models.backend import Backend
 from .rows import PerRow
 from .sampling import LogitsProcessing, SamplingParams, SeededRows, TokenHistory, row_seed, token_logprobs
-from .tree import block_layout, check_tree, depths, is_chain, path_block_index, tree_depth
+from .tree import block_layout, check_tree, depths, is_chain, path_block_index, tree_depths
 from .verify import greedy_accept, greedy_verify, sample_verify, tree_greedy_verify, tree_sample_verify
 
 
@@ -465,7 +465,7 @@ class Engine:
         b.control.learn(prop, plan, accepted, draft_cost, verify_seconds)
         lens = prop.lengths.tolist()
         # judged positions per row: a chain's length, a tree's depth
-        depth = lens if prop.parents is None else tree_depth(prop.parents, prop.lengths).tolist()
+        depth = lens if prop.parents is None else tree_depths(prop.parents.tolist(), lens)
         for i, slot in enumerate(b.slots):
             st = b.rows[slot.row].stats
             st.drafter_seconds += draft_seconds

@@ -54,8 +54,12 @@ def depths(parents: torch.Tensor) -> torch.Tensor:
 
 def tree_depth(parents: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """[B] the depth of each row's tree (its longest root-to-leaf path; 0 for no nodes)."""
-    most = [max(depths_of(row)[:n], default=0) for row, n in zip(parents.tolist(), lengths.tolist())]
-    return torch.tensor(most, dtype=torch.long, device=parents.device)
+    return torch.tensor(tree_depths(parents.tolist(), lengths.tolist()), dtype=torch.long, device=parents.device)
+
+
+def tree_depths(parents: list[list[int]], lengths: list[int]) -> list[int]:
+    """``tree_depth`` of parents and lengths as lists (a pass's bookkeeping: tensor ops run cold after a pass)."""
+    return [max(depths_of(row)[:n], default=0) for row, n in zip(parents, lengths)]
 
 
 def is_chain(parents: torch.Tensor, lengths: torch.Tensor) -> bool:

@@ -339,15 +339,18 @@ def test_the_eagle_head_on_the_kernels_computes_its_own_forward(tmp_path):
 
 @needs_kernel
 def test_the_eagle_heads_rotary_table_gives_each_position_its_formulas_values(tmp_path):
-    """The chain's cos and sin come from a table grown as texts grow: each row exactly what the
-    head's formula gives that position in a call of its own or in a block."""
+    """The chain kernel reads cos and sin from a table grown as texts grow: each row exactly what
+    the head's formula gives that position in a call of its own or in a block."""
+    from speculant.models.fast import position_table
+
     layers = _drafter_for("eagle", _q8_tiny(), tmp_path).kernel_layers
     g = torch.Generator().manual_seed(0)
     for below in (40, 300, 1000):
+        table = position_table(None, below, layers.rope, "cpu")
         block = torch.randint(below, (3, 5), generator=g)
-        for got, want, alone in zip(layers.rope_rows(block, below), layers.rope(block), layers.rope(block[1:2, 2:3])):
-            assert torch.equal(got, want) and torch.equal(got[1:2, 2:3], alone)
-    assert layers._rope_table[0].shape[0] == 1024
+        for rows, want, alone in zip(table, layers.rope(block), layers.rope(block[1:2, 2:3])):
+            assert torch.equal(rows[block], want) and torch.equal(rows[block][1:2, 2:3], alone)
+    assert table[0].shape[0] == 1024
 
 
 @needs_kernel
@@ -411,12 +414,11 @@ def test_the_eagle_chain_gives_a_row_the_same_bits_alone_beside_another_and_on_e
     tokens = torch.randint(0, target.config.vocab_size, (B, W), generator=g)
     keys, values = (torch.randn(B, attn.kv_heads, S, attn.head_dim, generator=g) for _ in range(2))
     lengths = torch.tensor([7, 12])
-    positions = lengths[:, None] + torch.arange(W)[None]
 
     def chain(drafter, rows):
-        return drafter.kernel_layers.chain(feats[rows], tokens[rows], positions[rows], positions[rows],
-                                           torch.full((len(rows),), W - 1), lengths[rows] + W, levels,
-                                           [keys[rows].clone()], [values[rows].clone()], drafter.embed.weight, None)
+        return drafter.kernel_layers.chain(feats[rows], tokens[rows].flatten().tolist(), lengths[rows].tolist(),
+                                           [W] * len(rows), S - 1, levels, 9, [keys[rows].clone()],
+                                           [values[rows].clone()], drafter.embed.weight, None)
 
     builds = {}
     for name in sorted(Q8_ISA) if platform.machine() in ("x86_64", "AMD64") else ["native"]:
@@ -428,12 +430,49 @@ def test_the_eagle_chain_gives_a_row_the_same_bits_alone_beside_another_and_on_e
         assert drafter.chains
         both, first, second = chain(drafter, [0, 1]), chain(drafter, [0]), chain(drafter, [1])
         assert both[0].shape == (B, levels, eagle_module.TOP_K)
-        for row, alone in enumerate((first, second)):
-            assert torch.equal(both[0][row], alone[0][0]) and torch.equal(both[1][row], alone[1][0]), (name, row)
+        for row, alone in enumerate((first, second)):  # draft ids, log-probs, the tree's ids, sizes, parents, probs
+            assert all(torch.equal(x[row], y[0]) for x, y in zip(both, alone)), (name, row)
         builds[name] = both
-    ids, lp = builds.pop("native")
-    for name, (other_ids, other_lp) in builds.items():
-        assert torch.equal(ids, other_ids) and torch.equal(lp, other_lp), name
+        # the tree, best first, is the order EagleDrafter._best_first gives the same levels
+        ids, lp, *tree = both
+        want = drafter._best_first(ids.flatten(1), _chain_scores(lp), *_chain_shape(ids), 9)
+        assert all(torch.equal(x, y) for x, y in zip(tree[:3], (want.tokens, want.lengths, want.parents)))
+        assert torch.allclose(tree[3], want.scores, rtol=1e-6, atol=0)
+    native = builds.pop("native")
+    for name, other in builds.items():
+        assert all(torch.equal(x, y) for x, y in zip(native, other)), name
+
+
+def _chain_scores(lp: torch.Tensor) -> torch.Tensor:
+    """The log-probability of each node of a chain's levels and their siblings [B, L * K]: the chain's
+    to the level above, plus its own (the drafter's arithmetic before the kernel sorted its tree)."""
+    best = lp[:, :, 0].cumsum(1)
+    return (torch.cat([best.new_zeros(lp.shape[0], 1), best[:, :-1]], 1)[..., None] + lp).flatten(1)
+
+
+def _chain_shape(ids: torch.Tensor) -> tuple[list, list]:
+    """Per row, each candidate's parent (the chain's node a level up) and depth."""
+    B, L, K = ids.shape
+    parent = [(level - 1) * K if level else -1 for level in range(L) for _ in range(K)]
+    depth = [level + 1 for level in range(L) for _ in range(K)]
+    return [parent] * B, [depth] * B
+
+
+@needs_kernel
+def test_the_eagle_chains_tree_breaks_ties_as_the_drafter_did(tmp_path):
+    """Equal scores (a head sure of a token: log-probability 0 down the chain; unreachable ids at
+    -inf) order as ``_best_first`` orders them: the shallower first, then the earlier sibling. A
+    tied chain is forced by handing the kernel the same levels through ``_best_first``'s own
+    inputs: the kernel's tree for a γ is checked against the Python order for every budget."""
+    drafter = _drafter_for("eagle", _q8_tiny(), tmp_path)
+    k = drafter.kernel_layers.k
+    lp = torch.tensor([[[0.0, -1.0, -1.0, float("-inf")], [0.0, -1.0, -2.0, -1.0], [-1.0, -1.0, -1.0, -1.0]]])
+    ids = torch.arange(12).view(1, 3, 4)
+    for budget in range(1, 13):
+        got = k.chain_tree(ids, lp, budget, torch.empty(0, dtype=torch.long))
+        want = drafter._best_first(ids.flatten(1), _chain_scores(lp), *_chain_shape(ids), budget)
+        assert torch.equal(got[0], want.tokens) and torch.equal(got[2], want.parents), budget
+        assert torch.equal(got[1], want.lengths) and torch.allclose(got[3], want.scores, rtol=1e-6, atol=0), budget
 
 
 @needs_kernel

@@ -110,27 +110,21 @@ class KernelLayers:
         emb = torch.cat((freqs, freqs), -1)
         return emb.cos().contiguous(), emb.sin().contiguous()
 
-    def rope_rows(self, positions: torch.Tensor, below: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``rope(positions)`` for positions below ``below``: rows of a table made once (doubled as
-        texts grow: ``position_table``), each the very values ``rope`` gives its position: two index
-        ops a call instead of eight (~30 us of a proposal)."""
-        self._rope_table = position_table(self._rope_table, below, self.rope, positions.device)
-        return self._rope_table[0][positions], self._rope_table[1][positions]
-
-    def chain(self, feats, tokens, positions, write_at, last, base, levels: int, keys, values, embed_weight,
-              outside) -> tuple[torch.Tensor, torch.Tensor]:
+    def chain(self, feats, tokens: list[int], starts: list[int], counts: list[int], spare: int, levels: int,
+              budget: int, keys, values, embed_weight, outside) -> list[torch.Tensor]:
         """A whole proposal in one kernel call (``eagle_chain``): the catch-up block (the target's
-        tapped states ``feats`` [B, W, taps, Ht] and the tokens after them [B, W] at ``positions``,
-        written at ``write_at``, each query seeing the slots up to its position; ``last`` [B] the row
-        that drafts), then up to ``levels`` levels of a chain at slots and positions ``base`` + j - 1.
-        Returns (draft ids, log-probabilities) [B, L, TOP_K]."""
-        below = int(base.max()) + levels + positions.shape[1]  # past the catch-up's positions and the chain's
-        cos, sin = self.rope_rows(positions, below)
-        step_cos, step_sin = self.rope_rows(base[None] + torch.arange(levels - 1, device=base.device)[:, None], below)
+        tapped states ``feats`` [B, W, taps, Ht] and the tokens after them, B * W in a list; row b's
+        first ``counts[b]`` at positions and slots ``starts[b]`` + j, its padding written at slot
+        ``spare``; its last pair drafts), then up to ``levels`` levels of a chain at slots and
+        positions starts + counts + j - 1, and the ``budget`` most probable of its nodes and their
+        siblings as a tree, best first. Returns (draft ids, log-probabilities [B, L, TOP_K]; the
+        tree's target ids [B, n], lengths [B], parents [B, n], probabilities [B, n])."""
+        below = max(s + c for s, c in zip(starts, counts)) + levels + feats.shape[1]  # the catch-up's and the chain's
+        self._rope_table = position_table(self._rope_table, below, self.rope, feats.device)
         fc_args, layer_args, head_args = self._chain_weights(outside, embed_weight)
-        return self.k.eagle_chain(feats.float().flatten(2).contiguous(), tokens.contiguous(), *fc_args, cos, sin,
-                                  write_at.contiguous(), (positions + 1).contiguous(), last, step_cos, step_sin, base,
-                                  levels, *layer_args, keys[0], values[0], *head_args)
+        return self.k.eagle_chain(feats.float().flatten(2).contiguous(), tokens, starts, counts, spare,
+                                  *self._rope_table, levels, budget, *fc_args, *layer_args, keys[0], values[0],
+                                  *head_args)
 
     def _chain_weights(self, outside, embed_weight) -> tuple[tuple, tuple, tuple]:
         """``eagle_chain``'s weight arguments, in three runs around the per-call ones (made once)."""
@@ -260,27 +254,35 @@ class EagleDrafter(Drafter):
             return self.keys[layer][:, :, :width], self.values[layer][:, :, :width]
         return kv
 
-    def _unfed_pairs(self):
+    def _unfed_block(self) -> tuple[list[int], torch.Tensor, list[int]]:
         """Every row's unfed pairs as one right-padded block, marked fed: (counts [B], the target's
-        features [B, W, taps, Ht], the tokens after them [B, W], positions [B, W], cache slots [B, W]
-        (padding at the spare slot))."""
+        features [B, W, taps, Ht], the tokens after them, B * W in a list, 0 where padded)."""
         dev = self.ctx.device
-        lens = [len(t) for _, t in self.unfed]
-        W = max(max(lens), 1)
-        if lens == [W]:  # one row, nothing to pad: its features as they are (a zeroed block and a copy ~60 us cold)
+        counts = [len(t) for _, t in self.unfed]
+        W = max(max(counts), 1)
+        if counts == [W]:  # one row, nothing to pad: its features as they are (a zeroed block and a copy ~60 us cold)
             feats = joined_rows(self.unfed[0][0]).to(dev, self.net.dtype)[None]
         else:
-            feats = torch.zeros(len(self.unfed), W, *self.feature_shape, dtype=self.net.dtype, device=dev)
+            feats = torch.zeros(len(counts), W, *self.feature_shape, dtype=self.net.dtype, device=dev)
             for b, (f, t) in enumerate(self.unfed):
                 if t:
                     feats[b, : len(t)] = joined_rows(f).to(dev, self.net.dtype)
-        tokens = torch.tensor([t + [0] * (W - len(t)) for _, t in self.unfed], dtype=torch.long, device=dev)
+        tokens = [x for _, t in self.unfed for x in t + [0] * (W - len(t))]
+        self.unfed = [([], []) for _ in self.unfed]
+        return counts, feats, tokens
+
+    def _unfed_pairs(self):
+        """``_unfed_block`` as tensors: (counts [B], features [B, W, taps, Ht], tokens [B, W],
+        positions [B, W], cache slots [B, W] (padding at the spare slot))."""
+        dev = self.ctx.device
+        lens, feats, tokens = self._unfed_block()
+        W = feats.shape[1]
         starts = self.lengths.tolist()
         positions = torch.tensor([[s + j for j in range(W)] for s in starts], dtype=torch.long, device=dev)
         slots = torch.tensor([[s + j if j < n else self.spare for j in range(W)] for s, n in zip(starts, lens)],
                              dtype=torch.long, device=dev)
-        self.unfed = [([], []) for _ in self.unfed]
-        return torch.tensor(lens, dtype=torch.long, device=dev), feats, tokens, positions, slots
+        return (torch.tensor(lens, dtype=torch.long, device=dev), feats,
+                torch.tensor(tokens, dtype=torch.long, device=dev).view(len(lens), W), positions, slots)
 
     def _catch_up(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed every row's unfed pairs; returns each row's last output state [B, H] and the draft
@@ -297,21 +299,16 @@ class EagleDrafter(Drafter):
     def _propose_chain(self, gamma: int) -> Proposal:
         """The proposal beside a target on the kernels, in one kernel call (``KernelLayers.chain``): the
         catch-up, then a chain of up to min(γ, DEPTH) levels, each the head's TOP_K most probable
-        tokens after the level before's best; the tree is the chain and its siblings, best first.
-        Every head step reads one row (a tree's read BEAM), the cost a verify block of a few
-        rows on a CPU can afford."""
-        counts, feats, tokens, positions, slots = self._unfed_pairs()
-        base = self.lengths + counts
-        ids, lp = self.kernel_layers.chain(feats, tokens, positions, slots, (counts - 1).clamp_min(0), base,
-                                           min(DEPTH, max(gamma, 1)), self.keys, self.values, self.embed.weight,
-                                           self.outside)
-        self.lengths = base
-        B, L, K = ids.shape
-        best = lp[:, :, 0].cumsum(1)  # the chain's log-probability to each level
-        score = (torch.cat([best.new_zeros(B, 1), best[:, :-1]], 1)[..., None] + lp).flatten(1)
-        parent = [(level - 1) * K if level else -1 for level in range(L) for _ in range(K)]  # the chain's node a level up
-        depth = [level + 1 for level in range(L) for _ in range(K)]
-        return self._best_first(ids.flatten(1), score, [parent] * B, [depth] * B, max(gamma, 1))
+        tokens after the level before's best; the tree is the chain and its siblings, best first
+        (sorted in the kernel: ``_best_first``'s order). Every head step reads one row (a tree's
+        read BEAM), the cost a verify block of a few rows on a CPU can afford."""
+        counts, feats, tokens = self._unfed_block()
+        starts = self.lengths.tolist()
+        *_, tokens, lengths, parents, scores = self.kernel_layers.chain(
+            feats, tokens, starts, counts, self.spare, min(DEPTH, max(gamma, 1)), max(gamma, 1), self.keys,
+            self.values, self.embed.weight, self.outside)
+        self.lengths = torch.tensor([s + c for s, c in zip(starts, counts)], device=self.lengths.device)
+        return Proposal(tokens, lengths, None, parents, scores)
 
     def _logprobs(self, normed: torch.Tensor) -> torch.Tensor:
         logits = self.net.lm_head(normed).float()
@@ -320,12 +317,19 @@ class EagleDrafter(Drafter):
         return logits.log_softmax(-1)
 
     def propose(self, gamma: int) -> Proposal:
-        return self.propose_among(gamma, torch.zeros(len(self.unfed), 0, device=self.ctx.device))
+        return self.propose_among(gamma, None)
 
     @torch.no_grad()
-    def propose_among(self, gamma: int, rivals: torch.Tensor) -> Proposal:
+    def propose_among(self, gamma: int, rivals: torch.Tensor | None) -> Proposal:
+        """``propose``, the tree's nodes competing with ``rivals`` (probabilities [B, R] of nodes
+        another drafter offers; None: none) for the budget."""
         t0, first, self.first, self.catchup_seconds = time.perf_counter(), self.first, False, 0.0
-        prop = self._propose_chain(gamma) if self.chains else self._propose_tree(gamma, rivals)
+        if self.chains:
+            prop = self._propose_chain(gamma)
+        else:
+            if rivals is None:
+                rivals = torch.zeros(len(self.unfed), 0, device=self.ctx.device)
+            prop = self._propose_tree(gamma, rivals)
         if first:  # γ auto leaves the prompts' catch-up out of what drafting costs
             self.catchup_seconds = seconds_since(t0, self.ctx.device)
         return prop

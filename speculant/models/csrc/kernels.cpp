@@ -475,75 +475,108 @@ at::Tensor eagle_layer(const at::Tensor& embeds, const at::Tensor& hidden, const
   return out;
 }
 
-// A one-layer EAGLE-3 head's whole proposal in one call (core/eagle.h): the catch-up block
-// (feats [B, W, F]: the target's tapped states, normed by input_norm [F] (or empty: none) and
-// projected by fc (packed, bias); tokens [B, W] int64: the token after each; cos, sin [B, W, D];
-// write_at, count [B, W]; last [B]: the row that drafts), then up to ``levels`` levels of a chain, level j > 0 at slot and position base + j - 1
-// (step_cos, step_sin [levels - 1, B, D]). The head's layer as ``eagle_layer`` takes it; norm, its
-// LM head (packed, bias) over the draft vocabulary; d2t [Vd] int64 (or empty: one vocabulary);
-// outside [Vd] bool (or empty); embed: the target's input embeddings [vocab, H]. Returns (draft ids
-// int64 [B, L, K], log-probabilities float32 [B, L, K]) for the L levels computed: the chain stops
-// once every row's is less likely than min_score.
+// A chain's levels as a proposal's tree (core/eagle.h, chain_best_first): ids int64, lp float32 [B,
+// L, K]: each level's K draft ids and log-probabilities; d2t [Vd] int64 (or empty: one vocabulary).
+// Returns the min(budget, L * K) most probable nodes a row, parents first: (target ids int64 [B, n],
+// lengths [B], parents int64 [B, n], probabilities float32 [B, n]).
+std::vector<at::Tensor> chain_tree(const at::Tensor& ids, const at::Tensor& lp, int64_t budget, const at::Tensor& d2t) {
+  TORCH_CHECK(ids.dim() == 3 && ids.scalar_type() == at::kLong && ids.is_contiguous() && lp.sizes() == ids.sizes() &&
+                  lp.scalar_type() == at::kFloat && lp.is_contiguous() && budget >= 1,
+              "chain_tree: ids int64 and lp float32 [B, L, K], contiguous; budget >= 1");
+  TORCH_CHECK(!d2t.numel() || (d2t.scalar_type() == at::kLong && d2t.is_contiguous()), "chain_tree: d2t int64 [Vd]");
+  const int64_t B = ids.size(0), L = ids.size(1), K = ids.size(2), n = std::min(budget, L * K);
+  const int64_t* d = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < ids.numel(); ++i)
+    TORCH_CHECK(d[i] >= 0 && (!d2t.numel() || d[i] < d2t.numel()), "chain_tree: a draft id outside d2t");
+  const auto longs = ids.options();
+  auto tokens = torch::empty({B, n}, longs), parents = torch::empty({B, n}, longs);
+  auto probs = torch::empty({B, n}, lp.options());
+  for (int64_t b = 0; b < B; ++b)
+    spk::chain_best_first(d + b * L * K, lp.data_ptr<float>() + b * L * K, L, K, n,
+                          d2t.numel() ? d2t.data_ptr<int64_t>() : nullptr, tokens.data_ptr<int64_t>() + b * n,
+                          parents.data_ptr<int64_t>() + b * n, probs.data_ptr<float>() + b * n);
+  return {tokens, torch::full({B}, n, longs), parents, probs};
+}
+
+// A one-layer EAGLE-3 head's whole proposal in one call (core/eagle.h). The catch-up block: feats
+// [B, W, F], the target's tapped states, normed by input_norm [F] (or empty: none) and projected
+// by fc (packed, bias); tokens (B * W): the token after each; row b's first counts[b] pairs at
+// positions and cache slots starts[b] + j, its padding written at slot `spare`, each query seeing
+// the slots up to its position; the row's last pair drafts (its first where it has none). Then up
+// to ``levels`` levels of a chain, level j > 0 at slot and position starts[b] + counts[b] + j - 1.
+// cos_table, sin_table [P, D]: the head's rotary values by position. The head's layer as
+// ``eagle_layer`` takes it; norm, its LM head (packed, bias) over the draft vocabulary; d2t [Vd]
+// int64 (or empty: one vocabulary); outside [Vd] bool (or empty); embed: the target's input
+// embeddings [vocab, H]. The chain stops once every row's is less likely than min_score. Returns
+// the L levels computed (draft ids int64 [B, L, K], log-probabilities float32 [B, L, K]) and the
+// proposal's tree, as ``chain_tree`` makes it of them (4 tensors).
 std::vector<at::Tensor> eagle_chain(
-    const at::Tensor& feats, const at::Tensor& tokens, const at::Tensor& input_norm, const std::vector<at::Tensor>& fc,
-    int64_t fc_bits, const at::Tensor& cos, const at::Tensor& sin,
-    const at::Tensor& write_at, const at::Tensor& count, const at::Tensor& last, const at::Tensor& step_cos,
-    const at::Tensor& step_sin, const at::Tensor& base, int64_t levels, int64_t K, double min_score,
-    const at::Tensor& ln1, const at::Tensor& hidden_norm, double eps, bool norm_before_residual,
-    const std::vector<at::Tensor>& qkv, int64_t qkv_bits, int64_t n_heads, int64_t n_kv, int64_t D, at::Tensor k_cache,
-    at::Tensor v_cache, double scale, const std::vector<at::Tensor>& o, int64_t o_bits, const at::Tensor& ln2,
-    const std::vector<at::Tensor>& gate_up, int64_t gu_bits, const std::vector<at::Tensor>& down, int64_t down_bits,
-    const at::Tensor& norm_w, double norm_eps, bool norm_output, const std::vector<at::Tensor>& lm_head,
-    int64_t lm_bits, const at::Tensor& d2t, const at::Tensor& outside, const at::Tensor& embed) {
-  TORCH_CHECK(feats.dim() == 3 && tokens.dim() == 2 && tokens.size(0) == feats.size(0) &&
-                  tokens.size(1) == feats.size(1) && tokens.scalar_type() == at::kLong && tokens.is_contiguous(),
-              "eagle_chain: feats [B, W, F] and tokens int64 [B, W]");
+    const at::Tensor& feats, const std::vector<int64_t>& tokens, const std::vector<int64_t>& starts,
+    const std::vector<int64_t>& counts, int64_t spare, const at::Tensor& cos_table, const at::Tensor& sin_table,
+    int64_t levels, int64_t budget, const at::Tensor& input_norm, const std::vector<at::Tensor>& fc, int64_t fc_bits,
+    int64_t K, double min_score, const at::Tensor& ln1, const at::Tensor& hidden_norm, double eps,
+    bool norm_before_residual, const std::vector<at::Tensor>& qkv, int64_t qkv_bits, int64_t n_heads, int64_t n_kv,
+    int64_t D, at::Tensor k_cache, at::Tensor v_cache, double scale, const std::vector<at::Tensor>& o, int64_t o_bits,
+    const at::Tensor& ln2, const std::vector<at::Tensor>& gate_up, int64_t gu_bits, const std::vector<at::Tensor>& down,
+    int64_t down_bits, const at::Tensor& norm_w, double norm_eps, bool norm_output,
+    const std::vector<at::Tensor>& lm_head, int64_t lm_bits, const at::Tensor& d2t, const at::Tensor& outside,
+    const at::Tensor& embed) {
+  TORCH_CHECK(feats.dim() == 3, "eagle_chain: feats [B, W, F]");
   const int64_t B = feats.size(0), W = feats.size(1), F = feats.size(2), H = norm_w.numel();
-  TORCH_CHECK(H % spk::LANES == 0 && F % spk::LANES == 0 && levels >= 1 && K >= 1,
-              "eagle_chain: hidden and feature widths multiples of 16, levels and K >= 1");
+  TORCH_CHECK(static_cast<int64_t>(tokens.size()) == B * W && static_cast<int64_t>(starts.size()) == B &&
+                  static_cast<int64_t>(counts.size()) == B,
+              "eagle_chain: tokens (B * W), starts and counts (B)");
+  TORCH_CHECK(H % spk::LANES == 0 && F % spk::LANES == 0 && levels >= 1 && K >= 1 && budget >= 1,
+              "eagle_chain: hidden and feature widths multiples of 16, levels, K and budget >= 1");
   rows_of_float(feats, F), rows_of_float(hidden_norm, H), rows_of_float(norm_w, H);
   if (input_norm.numel()) rows_of_float(input_norm, F);
   const spk::Linear fcl = linear_of(fc, fc_bits, F);
   TORCH_CHECK(fcl.N() == H, "eagle_chain: fc [H, F]");
-  rows_of_float(cos, D), rows_of_float(sin, D), rows_of_float(embed, H);
-  TORCH_CHECK(cos.numel() == B * W * D && sin.numel() == B * W * D, "eagle_chain: cos, sin [B, W, D]");
-  TORCH_CHECK(step_cos.numel() == (levels - 1) * B * D && step_sin.numel() == step_cos.numel() &&
-                  (levels == 1 || (step_cos.is_contiguous() && step_sin.is_contiguous() &&
-                                   step_cos.scalar_type() == at::kFloat && step_sin.scalar_type() == at::kFloat)),
-              "eagle_chain: step_cos, step_sin float32 [levels - 1, B, D]");
+  rows_of_float(cos_table, D), rows_of_float(sin_table, D), rows_of_float(embed, H);
+  TORCH_CHECK(sin_table.sizes() == cos_table.sizes(), "eagle_chain: cos_table, sin_table [P, D]");
   const spk::LayerWeights w = layer_weights(ln1, ln2, eps, 2 * H, qkv, qkv_bits, H, n_heads * D, o, o_bits, gate_up,
                                             gu_bits, down, down_bits);
   TORCH_CHECK(w.qkv.N() == (n_heads + 2 * n_kv) * D, "eagle_chain: q/k/v heads");
   const spk::Linear head = linear_of(lm_head, lm_bits, H);
-  const int64_t V = head.N();
+  const int64_t V = head.N(), P = cos_table.size(0);
   TORCH_CHECK(K <= V, "eagle_chain: K at most the draft vocabulary");
-  auto lt = last.to(at::kLong).contiguous(), bs = base.to(at::kLong).contiguous();
-  TORCH_CHECK(lt.numel() == B && bs.numel() == B, "eagle_chain: last and base [B]");
-  for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(lt.data_ptr<int64_t>()[b] >= 0 && lt.data_ptr<int64_t>()[b] < W, "eagle_chain: last outside the block");
+  // each position's slot and view, the rows that draft, and where the chain goes on
+  const auto longs = feats.options().dtype(at::kLong);
+  auto write_at = torch::empty({B, W}, longs), count = torch::empty({B, W}, longs);
+  std::vector<int64_t> last(B), base(B);
+  std::vector<float> cos(B * W * D), sin(B * W * D), step_cos((levels - 1) * B * D), step_sin(step_cos.size());
+  auto rotary = [&](int64_t position, float* c, float* s) {
+    TORCH_CHECK(position >= 0 && position < P, "eagle_chain: a position past the rotary table");
+    std::memcpy(c, cos_table.data_ptr<float>() + position * D, D * 4);
+    std::memcpy(s, sin_table.data_ptr<float>() + position * D, D * 4);
+  };
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(counts[b] >= 0 && counts[b] <= W && starts[b] >= 0, "eagle_chain: counts within 0..W, starts >= 0");
+    for (int64_t j = 0; j < W; ++j) {
+      const int64_t i = b * W + j, position = starts[b] + j;
+      write_at.data_ptr<int64_t>()[i] = j < counts[b] ? position : spare;
+      count.data_ptr<int64_t>()[i] = position + 1;
+      rotary(position, cos.data() + i * D, sin.data() + i * D);
+    }
+    last[b] = std::max<int64_t>(counts[b] - 1, 0);
+    base[b] = starts[b] + counts[b];
+    for (int64_t j = 0; j + 1 < levels; ++j)
+      rotary(base[b] + j, step_cos.data() + (j * B + b) * D, step_sin.data() + (j * B + b) * D);
+  }
   at::Tensor d2 = d2t.numel() ? d2t.to(at::kLong).contiguous() : d2t;
   at::Tensor out_ids = outside.numel() ? outside.to(at::kByte).contiguous() : outside;
   TORCH_CHECK(!d2.numel() || d2.numel() == V, "eagle_chain: d2t [Vd]");
   TORCH_CHECK(!out_ids.numel() || out_ids.numel() == V, "eagle_chain: outside [Vd]");
-  const Attention a = block_attention(B, W, n_kv, D, k_cache, v_cache, write_at, at::empty({0}, write_at.options()), count, scale);
+  const Attention a = block_attention(B, W, n_kv, D, k_cache, v_cache, write_at, at::empty({0}, longs), count, scale);
   const spk::EagleHead e{w, hidden_norm.data_ptr<float>(), norm_before_residual, n_heads, n_kv, D,
                          static_cast<float>(scale), norm_w.data_ptr<float>(), static_cast<float>(norm_eps), norm_output,
-                         head, d2.numel() ? d2.data_ptr<int64_t>() : nullptr,
-                         out_ids.numel() ? out_ids.data_ptr<uint8_t>() : nullptr, embed.data_ptr<float>(), embed.size(0)};
-  const spk::ChainCatchUp c{feats.data_ptr<float>(),
-                            tokens.data_ptr<int64_t>(),
-                            F,
+                         head, d2.numel() ? d2.data_ptr<int64_t>() : nullptr, out_ids.numel() ? out_ids.data_ptr<uint8_t>() : nullptr,
+                         embed.data_ptr<float>(), embed.size(0)};
+  const spk::ChainCatchUp c{feats.data_ptr<float>(), tokens.data(), F,
                             input_norm.numel() ? input_norm.data_ptr<float>() : nullptr,
-                            fcl,
-                            cos.data_ptr<float>(),
-                            sin.data_ptr<float>(),
-                            a.at.write_at,
-                            a.at.count,
-                            lt.data_ptr<int64_t>()};
-  const spk::ChainSteps s{levels > 1 ? step_cos.data_ptr<float>() : nullptr,
-                          levels > 1 ? step_sin.data_ptr<float>() : nullptr, bs.data_ptr<int64_t>(), levels, K,
-                          static_cast<float>(min_score)};
-  auto ids = torch::zeros({B, levels, K}, feats.options().dtype(at::kLong));
+                            fcl, cos.data(), sin.data(), a.at.write_at, a.at.count, last.data()};
+  const spk::ChainSteps s{step_cos.data(), step_sin.data(), base.data(), levels, K, static_cast<float>(min_score)};
+  auto ids = torch::zeros({B, levels, K}, longs);
   auto lp = torch::empty({B, levels, K}, feats.options());
   int64_t done = 0;
   out_of_range_as_error([&] {
@@ -551,7 +584,10 @@ std::vector<at::Tensor> eagle_chain(
       done = spk::eagle_chain(e, a.at.caches, B, W, H, c, s, ids.data_ptr<int64_t>(), lp.data_ptr<float>(), parallel);
     });
   });
-  return {ids.narrow(1, 0, done), lp.narrow(1, 0, done)};
+  ids = ids.narrow(1, 0, done).contiguous(), lp = lp.narrow(1, 0, done).contiguous();
+  std::vector<at::Tensor> out{ids, lp};
+  for (const at::Tensor& t : chain_tree(ids, lp, budget, d2)) out.push_back(t);
+  return out;
 }
 
 // The final norm: [M, H] -> [M, H].

@@ -127,4 +127,39 @@ inline int64_t eagle_chain(const EagleHead& e, const LayerCaches& caches, int64_
   return s.levels;
 }
 
+// A proposal's tree from a row's chain (eagle_chain's ids and lp, [L, K]): the `n` most probable of
+// the chain's nodes and their siblings, parents first. Level l's candidate 0 is the chain's node
+// (every candidate of level l + 1 is its child); a candidate's score is the chain's log-probability
+// to the level above (a running sum accumulated in double and rounded to float32, as PyTorch's
+// cumsum does) plus its own. Sorted by score, ties to the shallower candidate, then the earlier:
+// EagleDrafter._best_first's order, key for key. Writes the target's ids (d2t: draft id +
+// d2t[id]; null: the same ids), each node's parent (its index in the order; -1: the root) and its
+// probability exp(score).
+inline void chain_best_first(const int64_t* ids, const float* lp, int64_t L, int64_t K, int64_t n,
+                             const int64_t* d2t, int64_t* tokens, int64_t* parents, float* probs) {
+  const int64_t C = L * K;
+  std::vector<float> score(C);
+  std::vector<double> key(C);
+  double chain = 0.0;  // the chain's log-probability to level l - 1, as a double running sum
+  float above = 0.0f;  // ... rounded to float32 (cumsum's output)
+  for (int64_t l = 0; l < L; ++l) {
+    for (int64_t k = 0; k < K; ++k) {
+      score[l * K + k] = above + lp[l * K + k];
+      key[l * K + k] = static_cast<double>(l + 1) * 1e-9 - static_cast<double>(score[l * K + k]);
+    }
+    chain += lp[l * K];
+    above = static_cast<float>(chain);
+  }
+  std::vector<int64_t> order(C), at(C, -1);
+  for (int64_t c = 0; c < C; ++c) order[c] = c;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return key[a] < key[b]; });
+  for (int64_t j = 0; j < n; ++j) at[order[j]] = j;
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t c = order[j], level = c / K, d = ids[c];
+    tokens[j] = d2t ? d + d2t[d] : d;
+    parents[j] = level ? at[(level - 1) * K] : -1;
+    probs[j] = std::exp(score[c]);
+  }
+}
+
 }  // namespace spk
