@@ -524,3 +524,30 @@ def test_every_layer_in_one_call_gives_the_bits_of_a_call_a_layer(q8_kernels, mo
         assert calls == [call] * 6, how  # each pass in one call
         assert all(torch.equal(a, b) for a, b in zip(one, per_layer, strict=True)), how
         assert all(torch.equal(a, b) for a, b in zip(caches, caches_per_layer)), how
+
+
+@needs_kernel
+@pytest.mark.parametrize("seed", range(4))
+def test_a_trees_key_layout_in_one_call_is_the_pytorch_layouts(seed):
+    """``tree_layout`` (the kernels' layout of a token tree's block, FastLlama.forward's on a CPU) gives
+    every query the order and count of ``invariant.key_layout`` over the visibility forward built
+    in PyTorch ops: random trees of 1-12 nodes written from different slots, a block past a key block."""
+    from speculant.models import invariant
+    from speculant.models.fast import tree_key_layout
+    from speculant.tree import block_layout
+
+    g = torch.Generator().manual_seed(seed)
+    B, N = 3, int(torch.randint(1, 13, (1,), generator=g))
+    parents = torch.stack([torch.tensor([int(torch.randint(-1, i, (1,), generator=g)) for i in range(N)])
+                           for _ in range(B)])
+    _, tree = block_layout(parents)  # [B, N + 1, N + 1]: the root and its nodes
+    w = N + 1
+    start = torch.randint(0, 90, (B,), generator=g)
+    S = int(start.max()) + w  # the slots the pass reads
+    rel = torch.arange(S)[None, None, :] - start[:, None, None]
+    visible = (rel < 0) | (tree.gather(2, rel.clamp(0, w - 1).expand(B, w, S)) & (rel < w))
+    want = invariant.key_layout(visible.sum(-1), torch.float32, visible)
+    got = tree_key_layout(quantized.kernels(), start, tree, S, torch.float32)
+    assert (got.span, got.width) == (want.span, want.width)
+    assert torch.equal(got.count, want.count) and torch.equal(got.order, want.order)
+    assert got.shared_blocks <= want.shared_blocks

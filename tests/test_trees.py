@@ -155,7 +155,8 @@ def test_caches_equal_a_fresh_prefill_after_tree_passes(path, batch, monkeypatch
         monkeypatch.setattr(native, "_built", None)
     elif path == "fast":  # the kernels' call, counted
         module = native.built()
-        monkeypatch.setattr(native, "_built", SimpleNamespace(move_slots=lambda *a: calls.append(a) or module.move_slots(*a)))
+        monkeypatch.setattr(native, "_built", SimpleNamespace(move_slots=lambda *a: calls.append(a) or module.move_slots(*a),
+                                                              tree_layout=module.tree_layout))
     target = tiny_llama(5, layers=3)
     prompts = _prompts(4, seed=5)[:batch]
     refs = [hf_greedy(target, p, 30) for p in prompts]

@@ -149,11 +149,14 @@ class Drafter(PerRow, ABC):
     def propose(self, gamma: int) -> Proposal:
         """Up to γ draft tokens per row continuing the accepted text."""
 
-    def propose_among(self, gamma: int, rivals: torch.Tensor) -> Proposal:
+    # whether ``propose_among``'s rivals change this drafter's proposal (else a caller need not make them)
+    weighs_rivals = False
+
+    def propose_among(self, gamma: int, rivals: torch.Tensor | None) -> Proposal:
         """``propose`` when other nodes compete for the same γ slots of a merged tree: ``rivals``
-        [B, R] are their scores (probabilities; 0 pads). A drafter that grows its tree step by
-        step may stop once no further node of its own could enter the best γ; by default the
-        rivals change nothing."""
+        [B, R] are their scores (probabilities; 0 pads; None: none). A drafter that grows its tree
+        step by step may stop once no further node of its own could enter the best γ
+        (``weighs_rivals``); by default the rivals change nothing."""
         return self.propose(gamma)
 
     def propose_lookup(self, gamma: int) -> Proposal:

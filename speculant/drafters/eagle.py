@@ -189,6 +189,10 @@ class EagleDrafter(Drafter):
     def deepens_with_budget(self) -> bool:  # a chain costs a head step a level
         return self.chains
 
+    @property
+    def weighs_rivals(self) -> bool:  # the tree grown in PyTorch stops where rivals fill the budget; a chain does not
+        return not self.chains
+
     def describe(self) -> str:
         return f"eagle:{self.label}"
 

@@ -110,9 +110,11 @@ class HybridDrafter(Drafter):
         lookup, chains = self._lookup(gamma)
         # the chain's node scores compete for the γ slots: a strong chain spares the tree's deep forwards
         alphas = [h / j for h, j in (row.get(g, PRIOR) for row, g in zip(self.lookup_alpha, lookup.grades))]
-        rivals = torch.zeros(len(chains), max(map(len, chains), default=0))
-        for b, chain in enumerate(chains):
-            rivals[b, : len(chain)] = alphas[b] ** torch.arange(1, len(chain) + 1)
+        rivals = None
+        if self.tree.weighs_rivals:
+            rivals = torch.zeros(len(chains), max(map(len, chains), default=0))
+            for b, chain in enumerate(chains):
+                rivals[b, : len(chain)] = alphas[b] ** torch.arange(1, len(chain) + 1)
         prop = self.tree.propose_among(gamma, rivals)
         n = prop.lengths.tolist()
         toks, pars = prop.tokens.tolist(), prop.parents.tolist()

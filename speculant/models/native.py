@@ -27,7 +27,7 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
 CSRC = Path(__file__).parent / "csrc"
 FUNCTIONS = ("attend", "quant_linear", "layer_start", "layer_end", "layer", "bind_layers", "unbind_layers", "run_layers",
              "bind_ends", "run_pass",
-             "eagle_layer", "eagle_chain", "chain_tree", "norm", "argmax", "greedy_accept", "move_slots", "group_size",
+             "eagle_layer", "eagle_chain", "chain_tree", "norm", "argmax", "tree_layout", "greedy_accept", "move_slots", "group_size",
              "q8_quantize", "isa")
 STALE_LOCK_S = 600  # a build takes about a minute, writing files as it goes: ten quiet minutes is a killed one
 
