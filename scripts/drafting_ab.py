@@ -18,8 +18,8 @@ process: ``--base HEAD~1 --methods "none:base;none;eagle@2:base;eagle@2"``); ``:
 controls and cost model swapped in for the method's calls) on this tree's kernels: ``--base REV
 --methods "none;eagle+ngram@auto:base-controller;eagle+ngram@auto"``.
 Made benchmarks/results/cpu-AVX512BF16-2026-11-27-eagle-chain/, .../cpu-AVX512BF16-2026-11-27-lighter-passes/,
-.../cpu-AVX512BF16-2026-11-27-one-region/, .../cpu-AVX2-2026-11-28-zen3-float32-drafts/ and
-.../cpu-AVX512BF16-2026-11-29-zen4-gamma-auto/."""
+.../cpu-AVX512BF16-2026-11-27-one-region/, .../cpu-AVX2-2026-11-28-zen3-float32-drafts/,
+.../cpu-AVX512BF16-2026-11-29-zen4-gamma-auto/ and .../cpu-AVX512BF16-2026-11-29-zen4-chain-in-kernel/."""
 import argparse
 import collections
 import os

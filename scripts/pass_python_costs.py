@@ -10,7 +10,8 @@ pass, and after copying 1.5 / 24 / 100 MB.
         [--categories multi_turn_chat,code,question_answering] [--out F.json]
 
 Run it against another revision's Python with ``PYTHONPATH=<a worktree of it>`` (an A/B of the
-engine's code, alternated runs). Made benchmarks/results/cpu-AVX512BF16-2026-11-29-zen4-pass-python/."""
+engine's code, alternated runs). Made benchmarks/results/cpu-AVX512BF16-2026-11-29-zen4-pass-python/ and
+.../cpu-AVX512BF16-2026-11-29-zen4-chain-in-kernel/."""
 import argparse
 import collections
 import json
