@@ -47,7 +47,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-
 from .drafters.base import Proposal
 from .rows import PerRow
 from .tree import depths_of

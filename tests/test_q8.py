@@ -533,7 +533,6 @@ def test_a_trees_key_layout_in_one_call_is_the_pytorch_layouts(seed):
     every query the order and count of ``invariant.key_layout`` over the visibility forward built
     in PyTorch ops: random trees of 1-12 nodes written from different slots, a block past a key block."""
     from speculant.models import invariant
-    from speculant.models.fast import tree_key_layout
     from speculant.tree import block_layout
 
     g = torch.Generator().manual_seed(seed)
@@ -547,7 +546,9 @@ def test_a_trees_key_layout_in_one_call_is_the_pytorch_layouts(seed):
     rel = torch.arange(S)[None, None, :] - start[:, None, None]
     visible = (rel < 0) | (tree.gather(2, rel.clamp(0, w - 1).expand(B, w, S)) & (rel < w))
     want = invariant.key_layout(visible.sum(-1), torch.float32, visible)
-    got = tree_key_layout(quantized.kernels(), start, tree, S, torch.float32)
+    got = invariant.tree_key_layout(start, tree, S, torch.float32, kernels=quantized.kernels())
     assert (got.span, got.width) == (want.span, want.width)
     assert torch.equal(got.count, want.count) and torch.equal(got.order, want.order)
     assert got.shared_blocks <= want.shared_blocks
+    plain = invariant.tree_key_layout(start, tree, S, torch.float32)  # without the kernels: PyTorch ops
+    assert torch.equal(plain.order, want.order) and plain.shared_blocks == want.shared_blocks

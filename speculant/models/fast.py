@@ -248,16 +248,6 @@ class BoundLayers:
                                             scaling, list(taps), last_only)
 
 
-def tree_key_layout(kernels, start: torch.Tensor, tree: torch.Tensor, slots: int, dtype) -> KeyLayout:
-    """``invariant.key_layout`` of a token tree's block (``FastLlama.forward``'s ``tree``, written from
-    slot ``start`` [B]; ``slots``: the cache slots the pass reads) by the kernels' ``tree_layout``: the
-    same order and counts; the leading blocks every query shares counted up to the block's start."""
-    span = max(slots, invariant.KEY_BLOCK)
-    width = -(-span // invariant.KEY_BLOCK) * invariant.KEY_BLOCK
-    order, count = kernels.tree_layout(start, tree, width)
-    return KeyLayout(span, width, count, dtype, order, False, int(start.min()) // invariant.KEY_BLOCK)
-
-
 def position_table(table: tuple | None, below: int, formula, device) -> tuple:
     """A table of a per-position formula (rotary cos and sin) that holds positions 0..below-1:
     ``table`` itself, or ``formula`` over a new length (at least 256, doubled as texts grow), so a
@@ -469,14 +459,9 @@ class FastLlama:
         # length); on a GPU shapes stay static for CUDA graphs, so every pass reads the whole cache
         static = tokens.device.type != "cpu"
         S = keys[0].shape[2] if static else int(write_at.max()) + 1
-        kernels = native.built() if not static else None
-        if tree is not None and kernels is not None:  # the tree's layout in one call (the same order and counts)
-            layout = tree_key_layout(kernels, write_at[:, 0], tree, S, self.dtype)
-        elif tree is not None:
-            rel = torch.arange(S, device=tokens.device)[None, None, :] - write_at[:, :1, None]  # slot - block start
-            in_block = tree.gather(2, rel.clamp(0, w - 1).expand(B, w, S)) & (rel < w)
-            visible = (rel < 0) | in_block
-            layout = invariant.key_layout(visible.sum(-1), self.dtype, visible, span=S if static else None)
+        if tree is not None:  # on a CPU in one kernel call where the kernels are built
+            layout = invariant.tree_key_layout(write_at[:, 0], tree, S, self.dtype, static,
+                                               None if static else native.built())
         else:
             layout = invariant.key_layout(positions + 1, self.dtype, span=S if static else None)
         idx = (torch.arange(B, device=tokens.device)[:, None].expand(B, w), write_at)

@@ -237,7 +237,7 @@ def key_layout(count: torch.Tensor, dtype: torch.dtype, visible: torch.Tensor | 
         span = max(int(count.max()) if count.numel() else 1, KEY_BLOCK)
         if visible is not None:
             span = max(span, visible.shape[-1])
-    width = -(-span // KEY_BLOCK) * KEY_BLOCK
+    width = key_width(span)
     order, shared = None, 0
     if visible is not None:
         visible = F.pad(visible, (0, width - visible.shape[-1]))
@@ -248,6 +248,29 @@ def key_layout(count: torch.Tensor, dtype: torch.dtype, visible: torch.Tensor | 
             first = torch.where(moved.any(-1), moved.to(torch.int8).argmax(-1), width)
             shared = int(first.min()) // KEY_BLOCK
     return KeyLayout(span, width, count, dtype, order, static, shared)
+
+
+def key_width(span: int) -> int:
+    """Softmax columns for ``span`` slots: a multiple of KEY_BLOCK."""
+    return -(-span // KEY_BLOCK) * KEY_BLOCK
+
+
+def tree_key_layout(start: torch.Tensor, tree: torch.Tensor, slots: int, dtype: torch.dtype, static: bool = False,
+                    kernels=None) -> KeyLayout:
+    """``key_layout`` for a token tree's block of w nodes written from slot ``start`` [B]: query t sees
+    every slot before the block and the block slots s where ``tree`` [B, w, w] says so; ``slots``: the
+    cache slots the pass reads (``static``: all of them, as ``key_layout``'s span). With ``kernels``
+    (the CPU kernels, not static) their ``tree_layout`` makes the same order and counts in one call,
+    where the visibility's gather and the sort below took ~0.3 ms of a tree pass; the leading blocks
+    every query shares are then counted up to the block's start only."""
+    if kernels is not None and not static:
+        span = max(slots, KEY_BLOCK)
+        order, count = kernels.tree_layout(start, tree, key_width(span))
+        return KeyLayout(span, key_width(span), count, dtype, order, False, int(start.min()) // KEY_BLOCK)
+    B, w = tree.shape[:2]
+    rel = torch.arange(slots, device=tree.device)[None, None, :] - start[:, None, None]  # slot - block start
+    visible = (rel < 0) | (tree.gather(2, rel.clamp(0, w - 1).expand(B, w, slots)) & (rel < w))
+    return key_layout(visible.sum(-1), dtype, visible, span=slots if static else None)
 
 
 def _scores(q, keys, layout: KeyLayout, scaling: float, rows: Rows):
