@@ -2,10 +2,10 @@
 
 The core's harness (csrc/harness/harness.cpp) runs every kernel (quantized linears of both
 formats and linears over float32 and bfloat16 weights at many widths, the latter checked against
-their blocks' and float32 values' bits, attention over chains and trees in float32, bfloat16 and float16, a whole
-decoder layer, the norm) on inputs it makes itself, checks width invariance, and prints a hash of
-each output. Built for each branch, it must print the same lines: the AVX-512, AVX2 and plain C++
-branches on any x86 CPU, and the ARM NEON branch (with and without the dot-product extension) and
+their blocks' and float32 values' bits, attention over chains and trees in float32, bfloat16 and
+float16, a whole decoder layer, the norm, EAGLE-3's drafting call and its tree, greedy acceptance)
+on inputs it makes itself, checks width invariance, and prints a hash of each output. Built for
+each branch, it must print the same lines: the AVX-512, AVX2 and plain C++ branches on any x86 CPU, and the ARM NEON branch (with and without the dot-product extension) and
 plain C++ for aarch64, cross-compiled with Debian's g++-aarch64-linux-gnu and run under qemu-user
 (``apt-get install g++-aarch64-linux-gnu qemu-user``; CI installs them, the test skips without).
 """
@@ -67,6 +67,8 @@ def test_every_x86_branch_gives_the_same_bits(x86_outputs):
         assert lines[0] == f"isa {isa}", lines[0]  # the branch asked for is the one built
         assert lines[1:] == x86_outputs["generic"][1:], isa
     assert len(x86_outputs["generic"]) > 15
+    names = {line.rsplit(" ", 1)[0] for line in x86_outputs["generic"]}
+    assert {"layer", "eagle chain mapped tree", "greedy walk"} <= names
 
 
 def test_the_arm_branches_give_the_x86_bits_under_qemu(tmp_path, x86_outputs):

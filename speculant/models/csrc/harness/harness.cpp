@@ -3,8 +3,8 @@
 // inputs of its own making (a fixed generator: the same inputs on every machine) and prints one
 // line per case, "<case> <hash of the output's bytes>": builds for different ISAs must print the
 // same lines. It also checks width invariance itself (a row alone against the row in any block)
-// and that attention's bits do not depend on how its loops are cut over threads, and prints
-// "FAIL ..." where either breaks.
+// and that attention's, a layer's and EAGLE's drafting's bits do not depend on how their loops are
+// cut over threads, and prints "FAIL ..." where either breaks.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -14,6 +14,8 @@
 #include <thread>
 #include <vector>
 
+#include "core/accept.h"
+#include "core/eagle.h"
 #include "core/layer.h"
 
 namespace {
@@ -369,6 +371,94 @@ void rows_in_a_team(Random& rng) {
   }
 }
 
+// EAGLE-3's drafting in one call (eagle.h, over q8's float16 cache): the catch-up block, a chain of
+// head steps, each level's K most probable draft ids and log-probabilities (a log-softmax summed in
+// double: libm's exp and log), the chain's tree (chain_best_first); the first row alone and a team
+// of threads give the same bits
+void eagle(Random& rng) {
+  const int64_t B = 2, W = 3, H = 64, F = 3 * H, heads = 4, kv = 2, D = 16, I = 128, S = 24, V = 80, vocab = 120;
+  const int64_t levels = 3, K = 4, Q = (heads + 2 * kv) * D;
+  const auto pf = random_q8_packed(rng, H, F, 8, false), pq = random_q8_packed(rng, Q, 2 * H, 8, false);
+  const auto po = random_q8_packed(rng, H, heads * D, 4, false), pg = random_q8_packed(rng, 2 * I, H, 4, false);
+  const auto pd = random_q8_packed(rng, H, I, 4, false), ph = random_q8_packed(rng, V, H, 8, false);
+  const auto bias = rng.floats(2 * I, -0.1f, 0.1f);  // every linear's bias: its first N
+  const spk::Linear fc{{pf.data(), H, F, 8}, bias.data(), true}, head{{ph.data(), V, H, 8}, bias.data(), true};
+  const auto ln1 = rng.floats(H, 0.8f, 1.2f), ln2 = rng.floats(H, 0.8f, 1.2f), hn = rng.floats(H, 0.8f, 1.2f);
+  const auto fin = rng.floats(F, 0.8f, 1.2f), embed = rng.floats(vocab * H, -1, 1);
+  const auto norm = rng.floats(H, 0.02f, 0.06f);  // small: draft logits a few units apart, not hundreds
+  const spk::LayerWeights w{ln1.data(), ln2.data(), 1e-5f, {{pq.data(), Q, 2 * H, 8}, bias.data(), true},
+                            {{po.data(), H, heads * D, 4}, bias.data(), true},
+                            {{pg.data(), 2 * I, H, 4}, bias.data(), true}, {{pd.data(), H, I, 4}, bias.data(), true}};
+  std::vector<int64_t> d2t(V);
+  std::vector<uint8_t> outside(V);
+  for (int64_t d = 0; d < V; ++d) d2t[d] = d * 37 % (vocab - V), outside[d] = d % 13 == 5;
+  std::vector<spk::f16> k0(B * kv * S * D), v0(k0.size());
+  for (size_t i = 0; i < k0.size(); ++i)
+    k0[i] = spk::from_float<spk::f16>(rng.uniform(-1, 1)), v0[i] = spk::from_float<spk::f16>(rng.uniform(-1, 1));
+  const auto feats = rng.floats(B * W * F, -1, 1), cos = rng.floats(B * W * D, -1, 1), sin = rng.floats(B * W * D, -1, 1);
+  const auto step_cos = rng.floats((levels - 1) * B * D, -1, 1), step_sin = rng.floats((levels - 1) * B * D, -1, 1);
+  std::vector<int64_t> tokens(B * W), write_at(B * W), count(B * W), last{W - 1, 1}, base(B);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t j = 0; j < W; ++j) {
+      tokens[b * W + j] = static_cast<int64_t>(rng.next() % vocab);
+      write_at[b * W + j] = 5 + 3 * b + j, count[b * W + j] = 6 + 3 * b + j;
+    }
+    base[b] = 5 + 3 * b + W;
+  }
+  for (const bool mapped : {false, true}) {
+    const spk::EagleHead e{w, hn.data(), mapped, heads, kv, D, 0.25f, norm.data(), 1e-5f, mapped, head,
+                           mapped ? d2t.data() : nullptr, mapped ? outside.data() : nullptr, embed.data(), vocab};
+    // rows [0, rows) of the block (row 0 alone: its own cache row, the same first rows of every input)
+    auto run = [&](int64_t rows, const spk::ParallelFor& parallel, std::vector<spk::f16>& kc,
+                   std::vector<int64_t>& ids, std::vector<float>& lp) {
+      std::vector<spk::f16> vc(v0.begin(), v0.begin() + rows * kv * S * D);
+      kc.assign(k0.begin(), k0.begin() + rows * kv * S * D);
+      const spk::LayerCaches caches{kc.data(), vc.data(), kv * S * D, S * D, D, S, true};
+      std::vector<float> sc(rows * D), ss(rows * D), cs((levels - 1) * rows * D), sn(cs.size());
+      for (int64_t j = 0; j + 1 < levels; ++j)  // the steps' rotary rows [levels - 1, rows, D]
+        for (int64_t b = 0; b < rows; ++b)
+          for (int64_t d = 0; d < D; ++d)
+            cs[(j * rows + b) * D + d] = step_cos[(j * B + b) * D + d], sn[(j * rows + b) * D + d] = step_sin[(j * B + b) * D + d];
+      const spk::ChainCatchUp c{feats.data(), tokens.data(), F, mapped ? fin.data() : nullptr, fc, cos.data(), sin.data(),
+                                write_at.data(), count.data(), last.data()};
+      const spk::ChainSteps st{cs.data(), sn.data(), base.data(), levels, K, 0.0f};
+      ids.assign(rows * levels * K, 0), lp.assign(rows * levels * K, 0.f);
+      spk::eagle_chain(e, caches, rows, W, H, c, st, ids.data(), lp.data(), parallel);
+    };
+    const std::string name = std::string("eagle chain") + (mapped ? " mapped" : "");
+    std::vector<spk::f16> kc, k1, kt;
+    std::vector<int64_t> ids, ids1, idst;
+    std::vector<float> lp, lp1, lpt;
+    run(B, spk::serial_for, kc, ids, lp);
+    report(name + " ids", ids);
+    report(name + " log-probabilities", lp);
+    report(name + " cache written", kc);
+    run(1, spk::serial_for, k1, ids1, lp1);
+    spk::in_one_region(threads_for, 3, [&](const spk::ParallelFor& parallel) { run(B, parallel, kt, idst, lpt); });
+    if (!std::equal(ids1.begin(), ids1.end(), ids.begin()) || !std::equal(lp1.begin(), lp1.end(), lp.begin()) ||
+        idst != ids || lpt != lp) {
+      std::printf("FAIL %s: a row's bits depend on the other rows or the threads\n", name.c_str());
+      ++failures;
+    }
+    const int64_t n = 7;  // of the chain's 12 candidates
+    std::vector<int64_t> tree(n), parents(n);
+    std::vector<float> probs(n);
+    spk::chain_best_first(ids.data(), lp.data(), levels, K, n, mapped ? d2t.data() : nullptr, tree.data(),
+                          parents.data(), probs.data());
+    report(name + " tree", tree);
+    report(name + " tree parents", parents);
+    report(name + " tree probabilities", probs);
+  }
+  // greedy acceptance (accept.h): a chain and a tree walked against the target's choices
+  const std::vector<int64_t> choice{4, 7, 1, 9, 2}, chain{4, 7, 3, 9}, tree{4, 5, 7, 1, 6}, parents{-1, -1, 0, 2, 2};
+  std::vector<int64_t> path(5), walked;
+  walked.push_back(spk::greedy_walk(choice.data(), chain.data(), nullptr, 4, 4, path.data()));
+  walked.insert(walked.end(), path.begin(), path.begin() + 4);
+  walked.push_back(spk::greedy_walk(choice.data(), tree.data(), parents.data(), 5, 5, path.data()));
+  walked.insert(walked.end(), path.begin(), path.end());
+  report("greedy walk", walked);
+}
+
 }  // namespace
 
 int main() {
@@ -392,5 +482,6 @@ int main() {
   }
   attention<float, spk::f16>(rng, "float16 cache", false, 6, 2, 64, 260);
   rows_in_a_team(rng);
+  eagle(rng);
   return failures ? 1 : 0;
 }
