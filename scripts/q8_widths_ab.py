@@ -1,9 +1,11 @@
 """A q8 pass by width, this tree's CPU kernels beside a git revision's (``--base``), alternated in
 one process: the default target's 30 decoder layers in one call (``run_layers``) and its LM head,
 for blocks of 1-8 rows after a context of ``--context`` tokens; the median and best of ``--rounds``,
-and whether both builds give every row the same bits.
+and whether both builds give every row the same bits. ``--prompts``: instead, the layers over
+prompts of these lengths from position 0 (a prefill's block, as ``FastLlama.prefill`` runs it in q8).
 
     python scripts/q8_widths_ab.py --base REV [--context 60] [--widths 1,2,3,4,5,8] [--rounds 15] [--out F.json]
+    python scripts/q8_widths_ab.py --base REV --prompts 100,500,1500 [--rounds 11] [--out F.json]
 """
 import argparse
 import json
@@ -27,6 +29,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=60)
     p.add_argument("--widths", default="1,2,3,4,5,8")
     p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--prompts", help="prompt lengths: time the layers over a prompt's block instead")
     p.add_argument("--out")
     a = p.parse_args()
     torch.set_num_threads(2)
@@ -37,6 +40,8 @@ def main() -> None:
     norms, linears, bits = BoundLayers.weights(fast.pass_set.layers)
     handles = {name: m.bind_layers(norms, fast.eps, linears, bits, fast.n_heads, fast.n_kv, fast.head_dim)
                for name, m in builds.items()}
+    if a.prompts:
+        return prompts(a, fast, builds, handles)
     head = fast.pass_set.head.fn
     keys, values = fast.new_cache(1, a.context + max(widths) + 8)
     g = torch.Generator().manual_seed(0)
@@ -66,6 +71,36 @@ def main() -> None:
             print(f"{w} rows  {name:12s} layers {r['layers_ms']['median']:.3f} (best {r['layers_ms']['best']:.3f})  "
                   f"LM head {r['lm_head_ms']['median']:.3f} (best {r['lm_head_ms']['best']:.3f}) ms", flush=True)
     same = all(torch.equal(outs[("this tree", w)], outs[(a.base, w)]) for w in widths)
+    print("same bits:", same)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"args": vars(a), "machine": machine_info(), "same_bits": same, "results": results}, f, indent=1)
+
+
+def prompts(a, fast, builds: dict, handles: dict) -> None:
+    """The 30 layers over each prompt length's block from position 0 (the LM head left out: a prefill
+    asks it for the last row only), the builds alternated; medians and best of ``--rounds``."""
+    g = torch.Generator().manual_seed(0)
+    results, same = {}, True
+    for n in [int(x) for x in a.prompts.split(",")]:
+        keys, values = fast.new_cache(1, n + 8)
+        pos = torch.arange(n)[None]
+        h = fast.embed(torch.randint(0, 40000, (1, n), generator=g))
+        cos, sin = fast.rotary(pos, n)
+        count = invariant.key_layout(pos + 1, fast.dtype).count
+        times, outs = {name: [] for name in builds}, {}
+        for _ in range(a.rounds):
+            for name, m in builds.items():
+                t0 = time.perf_counter()
+                outs[name], _ = m.run_layers(handles[name], h, cos, sin, keys, values, pos, _NO_SLOTS, count,
+                                             fast.scaling, [])
+                times[name].append(time.perf_counter() - t0)
+        same &= torch.equal(*outs.values())
+        for name in builds:
+            r = results[f"{name} | prompt of {n}"] = {"layers_ms": {"median": round(statistics.median(times[name]) * 1e3, 1),
+                                                                    "best": round(min(times[name]) * 1e3, 1)}}
+            print(f"prompt of {n:5d}  {name:12s} layers {r['layers_ms']['median']:.1f} (best {r['layers_ms']['best']:.1f}) ms",
+                  flush=True)
     print("same bits:", same)
     if a.out:
         with open(a.out, "w") as f:

@@ -234,13 +234,15 @@ struct Attender {
   }
 
   // the rows' (u, j) softmax: exps, then each row's sum key after key, in its own order, the rows'
-  // sums side by side (independent chains: a row's sum alone waits on each add)
+  // sums side by side, up to CHAINS (independent chains: a row's sum alone waits on each add; a
+  // step's 9 rows on 2 threads are 5 and 4, and 5 by fours left one row's 1.5k adds alone)
+  static constexpr int64_t CHAINS = 6;
   void softmax_rows(Task* const* tasks, const int64_t* us, const int64_t* js, int64_t k, float* const* scores) const {
-    for (int64_t i0 = 0; i0 < k; i0 += 4) {
-      const int64_t m = std::min<int64_t>(4, k - i0);
-      const float* rows[4];
-      int64_t n[4], common = INT64_MAX;
-      float l[4] = {};
+    for (int64_t i0 = 0; i0 < k; i0 += CHAINS) {
+      const int64_t m = std::min<int64_t>(CHAINS, k - i0);
+      const float* rows[CHAINS];
+      int64_t n[CHAINS], common = INT64_MAX;
+      float l[CHAINS] = {};
       for (int64_t i = 0; i < m; ++i) {
         const Task& t = *tasks[i0 + i];
         rows[i] = exps(t, us[i0 + i], js[i0 + i], scores[i0 + i]);
@@ -248,6 +250,8 @@ struct Attender {
         common = std::min(common, n[i]);
       }
       switch (m) {
+        case 6: sum_chains<6>(rows, common, l); break;
+        case 5: sum_chains<5>(rows, common, l); break;
         case 4: sum_chains<4>(rows, common, l); break;
         case 3: sum_chains<3>(rows, common, l); break;
         case 2: sum_chains<2>(rows, common, l); break;
@@ -264,7 +268,7 @@ struct Attender {
   static void sum_chains(const float* const* rows, int64_t n, float* l) {
     float a[M] = {};
     for (int64_t x = 0; x < n; ++x)
-#pragma GCC unroll 4
+#pragma GCC unroll 6
       for (int i = 0; i < M; ++i) a[i] += rows[i][x];
     for (int i = 0; i < M; ++i) l[i] = a[i];
   }
@@ -408,12 +412,17 @@ void attend(const AttentionShape& sh, Strided4<const T> q, Strided4<const C> k, 
     });
     return;
   }
+  // a row's chunks short and long in turn (0, last, 1, last - 1, ...): a causal block's later chunks
+  // see more keys, and the threads take the items in contiguous ranges, so in text order the first
+  // thread of two got the cheap half of a head and waited on the other (a 1.5k-token prompt's
+  // layers 2-9 % faster so on a 2-core Zen 4); which thread runs a chunk changes no bits
+  const auto chunk = [chunks](int64_t i) { return i % 2 == 0 ? i / 2 : chunks - 1 - i / 2; };
   parallel(B * Hkv * chunks, 1, [&](int64_t begin, int64_t end) {
     typename Attender<T, C>::Task t;
     typename Attender<T, C>::Scratch w(D);
     std::vector<float> s;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / (Hkv * chunks), h = (item / chunks) % Hkv, t0 = (item % chunks) * Q;
+      const int64_t b = item / (Hkv * chunks), h = (item / chunks) % Hkv, t0 = chunk(item % chunks) * Q;
       at.start(t, b, h, t0, std::min(Q, T_ - t0));
       s.assign(t.R * t.L16, 0.f);
       for (int64_t x0 = 0; x0 < t.L16; x0 += LANES) at.score_block(t, x0, s.data(), w);
