@@ -415,7 +415,7 @@ void attend(const AttentionShape& sh, Strided4<const T> q, Strided4<const C> k, 
   // a row's chunks short and long in turn (0, last, 1, last - 1, ...): a causal block's later chunks
   // see more keys, and the threads take the items in contiguous ranges, so in text order the first
   // thread of two got the cheap half of a head and waited on the other (a 1.5k-token prompt's
-  // layers 2-9 % faster so on a 2-core Zen 4); which thread runs a chunk changes no bits
+  // layers 1-9 % faster so on a 2-core Zen 4); which thread runs a chunk changes no bits
   const auto chunk = [chunks](int64_t i) { return i % 2 == 0 ? i / 2 : chunks - 1 - i / 2; };
   parallel(B * Hkv * chunks, 1, [&](int64_t begin, int64_t end) {
     typename Attender<T, C>::Task t;
