@@ -5,9 +5,10 @@ formats and linears over float32 and bfloat16 weights at many widths, the latter
 their blocks' and float32 values' bits, attention over chains and trees in float32, bfloat16 and
 float16, a whole decoder layer, the norm, EAGLE-3's drafting call and its tree, greedy acceptance)
 on inputs it makes itself, checks width invariance, and prints a hash of each output. Built for
-each branch, it must print the same lines: the AVX-512, AVX2 and plain C++ branches on any x86 CPU, and the ARM NEON branch (with and without the dot-product extension) and
-plain C++ for aarch64, cross-compiled with Debian's g++-aarch64-linux-gnu and run under qemu-user
-(``apt-get install g++-aarch64-linux-gnu qemu-user``; CI installs them, the test skips without).
+each branch, it must print the same lines: the AVX-512, AVX2 and plain C++ branches on any x86
+CPU, and the ARM NEON branch (with and without the dot-product extension) and plain C++ for
+aarch64, cross-compiled with Debian's g++-aarch64-linux-gnu and run under qemu-user (``apt-get
+install g++-aarch64-linux-gnu qemu-user``; CI installs them, the test skips without).
 """
 import platform
 import shutil

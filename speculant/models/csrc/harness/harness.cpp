@@ -414,7 +414,7 @@ void eagle(Random& rng) {
       std::vector<spk::f16> vc(v0.begin(), v0.begin() + rows * kv * S * D);
       kc.assign(k0.begin(), k0.begin() + rows * kv * S * D);
       const spk::LayerCaches caches{kc.data(), vc.data(), kv * S * D, S * D, D, S, true};
-      std::vector<float> sc(rows * D), ss(rows * D), cs((levels - 1) * rows * D), sn(cs.size());
+      std::vector<float> cs((levels - 1) * rows * D), sn(cs.size());
       for (int64_t j = 0; j + 1 < levels; ++j)  // the steps' rotary rows [levels - 1, rows, D]
         for (int64_t b = 0; b < rows; ++b)
           for (int64_t d = 0; d < D; ++d)
