@@ -7,7 +7,9 @@ mean time of each later token, best of ``--rounds`` runs in a rotated order; and
 one-token step: the bytes a step streams (the quantized blocks, float32 for speculant's packed
 layout; and per prompt, with the keys and values a step reads at the later tokens' mean context:
 float16 in q8, float32 in quantized) over this CPU's measured read bandwidth (a large array summed,
-best of 5). Saves JSON.
+best of 5). The bandwidth is also measured before each round and each runtime's ms a token set
+against that round's floor (medians over the rounds in ``floor_ratio_by_round``): on a VM whose
+speed drifts from one minute to the next, a ratio taken within a round. Saves JSON.
 
 ``--llama-cpp PATH``: import llama-cpp-python from PATH (a build of its own: e.g. AVX2 only, to
 compare the AVX2 class on an AVX-512 machine with ``SPECULANT_CPU_ISA=avx2``). ``--base REV``: a
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -153,7 +156,10 @@ def main() -> None:
         for run in runtimes.values():  # warm-up
             run(ids, 4)
         names = list(runtimes)
+        mean_context = len(ids) + a.tokens / 2
+        by_round = {name: [] for name in runtimes}  # (ms a later token, this round's floor of its mode)
         for r in range(a.rounds):
+            round_bandwidth = read_bandwidth_gbs()
             for name in names[r % len(names):] + names[: r % len(names)]:
                 run = runtimes[name]
                 t = time.perf_counter()
@@ -164,6 +170,10 @@ def main() -> None:
                 total = time.perf_counter() - t
                 best[name]["first_token_ms"] = min(best[name]["first_token_ms"], first * 1e3)
                 best[name]["total_ms"] = min(best[name]["total_ms"], total * 1e3)
+                mode = name.removeprefix("speculant ")
+                if mode in weights:
+                    floor_ms = (weights[mode] + per_key[mode] * mean_context) / round_bandwidth / 1e6
+                    by_round[name].append(((total - first) * 1e3 / (made[name] - 1), floor_ms))
         rows = {}
         for name, b in best.items():
             per = (b["total_ms"] - b["first_token_ms"]) / (made[name] - 1)
@@ -171,10 +181,14 @@ def main() -> None:
                           "ms_per_later_token": round(per, 2), "total_ms": round(b["total_ms"], 1)}
             print(f"{pname:5s} {name:24s} first token {b['first_token_ms']:7.1f} ms   then {per:6.2f} ms/token")
         # the floor of this prompt's later tokens: the weights and the cache at their mean context
-        mean_context = len(ids) + a.tokens / 2
         floor = {m: round((weights[m] + per_key[m] * mean_context) / bandwidth / 1e6, 2) for m in modes}
         print(f"{pname:5s} floor with the cache at {mean_context:.0f} tokens (ms/token): {floor}")
-        results["prompts"][pname] = {"prompt_tokens": len(ids), "runtimes": rows, "floor_ms_per_token": floor}
+        ratios = {name: round(statistics.median(ms / f for ms, f in runs), 2) for name, runs in by_round.items() if runs}
+        print(f"{pname:5s} ms a token over the floor, within each round (median of {a.rounds}): {ratios}")
+        results["prompts"][pname] = {"prompt_tokens": len(ids), "runtimes": rows, "floor_ms_per_token": floor,
+                                     "floor_ratio_by_round": ratios,
+                                     "rounds": {name: [{"ms_per_later_token": round(ms, 2), "floor_ms": round(f, 2)}
+                                                       for ms, f in runs] for name, runs in by_round.items() if runs}}
     print("floor of the weights alone (ms/token):", results["floor_ms_per_token"], f"at {bandwidth:.1f} GB/s")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
