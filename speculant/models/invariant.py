@@ -265,8 +265,9 @@ def tree_key_layout(start: torch.Tensor, tree: torch.Tensor, slots: int, dtype: 
     every query shares are then counted up to the block's start only."""
     if kernels is not None and not static:
         span = max(slots, KEY_BLOCK)
-        order, count = kernels.tree_layout(start, tree, key_width(span))
-        return KeyLayout(span, key_width(span), count, dtype, order, False, int(start.min()) // KEY_BLOCK)
+        width = key_width(span)
+        order, count = kernels.tree_layout(start, tree, width)
+        return KeyLayout(span, width, count, dtype, order, False, int(start.min()) // KEY_BLOCK)
     B, w = tree.shape[:2]
     rel = torch.arange(slots, device=tree.device)[None, None, :] - start[:, None, None]  # slot - block start
     visible = (rel < 0) | (tree.gather(2, rel.clamp(0, w - 1).expand(B, w, slots)) & (rel < w))
