@@ -111,11 +111,14 @@ def choose_batch_width(gains: Sequence[Sequence[float]], costs) -> tuple[int, li
     """``choose_batch_gamma`` for any gain model: gains[row][g] = expected tokens of the row's pass
     when it drafts g tokens (a chain's γ, or a tree's first g nodes); gains[row][0] = 1."""
     width = min((len(g) for g in gains), default=1) - 1
-    best_alone = [_argmax(lambda g, r=r: gains[r][g] / costs.seconds(g), width) for r in range(len(gains))]
+    # each width's cost asked once (a few calls deep each, run cold after a pass: ~0.2 ms a pass asked per row)
+    seconds = [costs.seconds(g) for g in range(width + 1)]
+    best_alone = [_best([gain[g] / seconds[g] for g in range(width + 1)]) for gain in gains]
     on = [g > 0 for g in best_alone]
     if not any(on):
         return 0, on
-    gamma = _argmax(lambda g: batch_rate(gains, on, costs, g), width)
+    gamma = _best([sum(gain[g] if row_on else 1.0 for gain, row_on in zip(gains, on)) / seconds[g]
+                   for g in range(width + 1)])
     return gamma, on if gamma > 0 else [False] * len(on)
 
 
@@ -126,11 +129,15 @@ def batch_rate(gains: Sequence[Sequence[float]], on: Sequence[bool], costs, g: i
 
 
 def _argmax(f, gamma_max: int, start: int = 0) -> int:
-    best, best_value = start, f(start)
-    for g in range(start + 1, gamma_max + 1):
-        v = f(g)
-        if v > best_value * (1 + 1e-9):  # ties go to the smaller γ
-            best, best_value = g, v
+    return start + _best([f(g) for g in range(start, max(gamma_max, start) + 1)])
+
+
+def _best(values: Sequence[float]) -> int:
+    """The index of the largest value; ties go to the smaller index (the smaller γ)."""
+    best, best_value = 0, values[0]
+    for g in range(1, len(values)):
+        if values[g] > best_value * (1 + 1e-9):
+            best, best_value = g, values[g]
     return best
 
 
@@ -142,11 +149,23 @@ class VerifyTimes:
         self.points: dict[int, float] = {}
         self.prior_slope, self.decay = prior_slope, decay
 
+    @property
+    def points(self) -> dict[int, float]:
+        return self._points
+
+    @points.setter
+    def points(self, points: dict[int, float]) -> None:
+        # what the points imply, kept until they change: a pass's decision asks for each width's
+        # estimate and coverage several times (~30 us a pass of γ auto's ~0.2 ms, run cold after a pass)
+        self._points, self._estimates, self._covered = points, {}, {}
+        self._all_covered: set[tuple[int, ...]] = set()  # ``covers_all``'s widths that were: they stay covered
+
     def observe(self, tokens: int, seconds: float) -> None:
         old = self.points.get(tokens)
         if old is not None:
             seconds = min(seconds, 2 * old)  # a pause (another process, the GC) is not what a pass costs
-        self.points[tokens] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+        self._points[tokens] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+        self._estimates, self._covered = {}, {}
 
     SMOOTH_FROM = 32  # tokens per pass above which cost grows smoothly with width (no CPU steps)
 
@@ -154,6 +173,22 @@ class VerifyTimes:
         """Whether interpolation can be trusted at this width: one within 10% was timed (a batch that
         lost a row needs no new measurement), or it lies between timed widths at most 2x apart,
         or above SMOOTH_FROM tokens."""
+        covered = self._covered.get(tokens)
+        if covered is None:
+            covered = self._covered[tokens] = self._covers(tokens)
+        return covered
+
+    def covers_all(self, widths: tuple[int, ...]) -> bool:
+        """``covers`` every one of ``widths``: once they are, they stay (observing only adds points,
+        and a point between two others only narrows the gaps), so the answer is kept."""
+        if widths in self._all_covered:
+            return True
+        if all(self.covers(tokens) for tokens in widths):
+            self._all_covered.add(widths)
+            return True
+        return False
+
+    def _covers(self, tokens: int) -> bool:
         if any(abs(x - tokens) <= 0.1 * tokens for x in self.points):
             return True
         lo = max((x for x in self.points if x < tokens), default=None)
@@ -161,6 +196,12 @@ class VerifyTimes:
         return lo is not None and hi is not None and (hi <= 2 * lo or lo >= self.SMOOTH_FROM)
 
     def __call__(self, tokens: int) -> float:
+        seconds = self._estimates.get(tokens)
+        if seconds is None:
+            seconds = self._estimates[tokens] = self._estimate(tokens)
+        return seconds
+
+    def _estimate(self, tokens: int) -> float:
         if tokens in self.points:
             return self.points[tokens]
         xs = sorted(self.points)
@@ -401,7 +442,10 @@ class AutoGamma(PerRow):
         passes near a request's end are not taken for the widths to time; a tree smaller than the
         budget (a head unsure past its first depth) is timed at its own size."""
         full = cap == self.gamma_max if full is None else full
-        for gamma in self._timed_gammas(cap, full):
+        gammas = self._timed_gammas(cap, full)
+        if self.verify.covers_all(tuple(self.rows * (gamma + 1) for gamma in gammas)):
+            return None
+        for gamma in gammas:
             if not self.verify.covers(self.rows * (gamma + 1)):
                 return gamma
         return None

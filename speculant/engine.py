@@ -186,6 +186,7 @@ class Engine:
         self.vocab_size = int(target.get_output_embeddings().weight.shape[0])
         self.costs = CostModel()  # what passes cost here, learnt across requests (gamma="auto" reads it)
         self.drafter_busy = False  # a batch holds self.drafter (others get forks of it)
+        self._no_drafts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # _empty's, by batch size
 
     def run(self, req: Request) -> Iterator[tuple[int, list[int]]]:
         """Generate; yields (row, new tokens) as tokens are accepted; returns the list of Rows."""
@@ -267,7 +268,7 @@ class Engine:
         nxt, n_acc, logp = self._decide(b, logits[:, -1:], empty)
         prompt_hidden = [hidden[b_, valid[b_]] for b_ in range(n)] if taps else None
         # hidden states of the tokens the last pass cached: none yet (the prompt's go to the drafter's start)
-        self._hand_over(b, nxt, n_acc, nxt[:, None], logp, [h[:0] for h in prompt_hidden] if taps else None)
+        self._hand_over(b, nxt, [[t] for t in nxt.tolist()], logp, [h[:0] for h in prompt_hidden] if taps else None)
         sync(dev)
         for r in rows:
             r.stats.target_seconds = r.stats.first_token_seconds = time.perf_counter() - t0
@@ -413,23 +414,25 @@ class Engine:
         out = b.state.append(block, tree=tree, taps=b.taps)
         logits, hidden = out if b.taps else (out, None)
         nxt, n, logp = self._decide(b, logits, prop, seen=None if tree is None else tree[1][:, :, 1:])
+        accepted = n.tolist()
         if tree is None:
             if not plain:
                 b.state.rollback(start + n + 1)
             steps = None  # a chain: each emitted token was scored at its own block position
-            emitted = prop.tokens
+            drafts = prop.tokens.tolist()
         else:
             b.state.keep_path(start, b.path, n)
             steps = path_block_index(b.path, n)  # root + accepted nodes: where each emitted token was scored
-            emitted = block.gather(1, steps[:, 1:]) if steps.shape[1] > 1 else block[:, :0]
+            drafts = [[row[s] for s in at[1:]] for row, at in zip(block.tolist(), steps.tolist())]
             if logp is not None:
                 logp = logp.gather(1, steps[..., None].expand(-1, -1, logp.shape[-1]))
-        emitted = nxt[:, None] if plain else torch.cat([emitted, nxt[:, None]], 1).scatter(1, n[:, None], nxt[:, None])
+        # each row's accepted drafts and the target's own token, as lists (tensor ops run cold after a pass)
+        emitted = [row[:k] + [t] for row, k, t in zip(drafts, accepted, nxt.tolist())]
         fed = None
         if b.taps:  # the hidden states of the root and the accepted drafts, as cached
             fed = [hidden[i, : k + 1] if steps is None else hidden[i, steps[i, : k + 1]]
-                   for i, k in enumerate(n.tolist())]
-        self._hand_over(b, nxt, n, emitted, logp, fed)
+                   for i, k in enumerate(accepted)]
+        self._hand_over(b, nxt, emitted, logp, fed)
 
     def _decide(self, b: "Batch", logits: torch.Tensor, prop: Proposal, seen=None):
         """Each row's accepted drafts and next token from the target's logits over a block
@@ -443,15 +446,19 @@ class Engine:
         wants = any(s.top_n is not None for s in b.slots)
         return nxt, n, b.proc.logprob_source(scores, probs) if wants else None
 
-    def _hand_over(self, b: "Batch", nxt, n, emitted, logp, fed) -> None:
-        """The pass's result into the slots: row i's first n[i] + 1 emitted tokens (n[i] accepted
-        drafts and the target's own), their logprobs, and the hidden states now cached."""
-        counts = [k + 1 for k in n.tolist()]
+    def _hand_over(self, b: "Batch", nxt, emitted: list[list[int]], logp, fed) -> None:
+        """The pass's result into the slots: row i's emitted tokens (its accepted drafts and the
+        target's own), their logprobs, and the hidden states now cached."""
+        counts = [len(tokens) for tokens in emitted]
         b.pending = nxt
         b.seeded.advance(counts)
-        entries = token_logprobs(logp, emitted, counts, [s.top_n for s in b.slots]) if logp is not None else None
-        for i, (slot, tokens) in enumerate(zip(b.slots, emitted.tolist())):
-            slot.new, slot.accepted = tokens[: counts[i]], counts[i] - 1
+        entries = None
+        if logp is not None:  # the tokens as a block [B, most + 1] (padded past each row's count)
+            width = max(counts)
+            block = torch.tensor([e + e[-1:] * (width - len(e)) for e in emitted], dtype=torch.long, device=nxt.device)
+            entries = token_logprobs(logp, block, counts, [s.top_n for s in b.slots])
+        for i, (slot, tokens) in enumerate(zip(b.slots, emitted)):
+            slot.new, slot.accepted = tokens, counts[i] - 1
             slot.logprobs = entries[i] if entries is not None else None
             slot.fed = fed[i] if fed is not None else None
 
@@ -473,8 +480,13 @@ class Engine:
             st.count_pass(depth[i], accepted[i], caps[i], nodes=lens[i] if prop.parents is not None else 0)
 
     def _empty(self, batch: int):
-        z = torch.zeros(batch, 0, dtype=torch.long, device=self.device)
-        return Proposal(z, torch.zeros(batch, dtype=torch.long, device=self.device))
+        """A proposal of nothing (a plain pass's), its tensors made once per batch size: no part of
+        a pass writes into a proposal's tensors."""
+        tensors = self._no_drafts.get(batch)
+        if tensors is None:
+            tensors = self._no_drafts[batch] = (torch.zeros(batch, 0, dtype=torch.long, device=self.device),
+                                                torch.zeros(batch, dtype=torch.long, device=self.device))
+        return Proposal(*tensors)
 
 
 def _accept(scores: torch.Tensor, probs: torch.Tensor | None, prop: Proposal, proc: LogitsProcessing, generator,
@@ -583,11 +595,16 @@ def _cap(prop: Proposal, caps: list[int], block_width=None) -> Proposal:
     every row's length they are verified and ignored, like a batch's shorter rows."""
     if prop.tokens.shape[1] == 0 and (block_width is None or block_width(0) == 0):
         return Proposal(prop.tokens, prop.lengths, grades=prop.grades)  # nothing proposed: a plain pass
-    kept = [min(n, c) for n, c in zip(prop.lengths.tolist(), caps)]
-    lengths = torch.tensor(kept, device=prop.lengths.device, dtype=prop.lengths.dtype)
+    proposed = prop.lengths.tolist()
+    kept = [min(n, c) for n, c in zip(proposed, caps)]
     width = max(kept, default=0)
     if block_width is not None:
         width = block_width(width)
+    if kept == proposed and width == prop.tokens.shape[1]:
+        return prop  # every draft verified as proposed (a small op each saved: they run cold after a pass)
+    if not width and prop.parents is None:  # nothing verified: a plain pass (a lookup's weak draft, say)
+        return Proposal(prop.tokens[:, :0], prop.lengths.new_zeros(prop.lengths.shape), grades=prop.grades)
+    lengths = torch.tensor(kept, device=prop.lengths.device, dtype=prop.lengths.dtype)
 
     def fit(t, fill=0):
         if t is None or not width:
@@ -600,6 +617,15 @@ def _cap(prop: Proposal, caps: list[int], block_width=None) -> Proposal:
     return Proposal(tokens, lengths, fit(prop.probs), fit(prop.parents, -1), fit(prop.scores), prop.grades)
 
 
+def _extremes(t: torch.Tensor):
+    """The smallest and largest of a drafter's ids: on a CPU from a list (one small op, not a
+    reduction's: they run cold after a pass)."""
+    if t.device.type != "cpu":
+        return torch.aminmax(t)
+    ids = [i for row in t.tolist() for i in row]
+    return min(ids), max(ids)
+
+
 def check_proposal(prop: Proposal, batch: int, gamma: int, vocab: int, device: torch.device) -> None:
     """A drafter's proposal, checked at the engine's boundary: one line naming what is wrong."""
     t = prop.tokens
@@ -610,7 +636,7 @@ def check_proposal(prop: Proposal, batch: int, gamma: int, vocab: int, device: t
         raise SpeculantError(f"drafter returned tensors on {t.device}, but the target runs on {device}")
     if prop.lengths.shape != (batch,) or not all(0 <= n <= t.shape[1] for n in prop.lengths.tolist()):
         raise SpeculantError(f"drafter returned lengths {prop.lengths.tolist()}: each must be within 0..{t.shape[1]}")
-    if t.numel() and not all(0 <= int(i) < vocab for i in torch.aminmax(t)):
+    if t.numel() and not all(0 <= int(i) < vocab for i in _extremes(t)):
         raise SpeculantError(f"drafter proposed token ids outside the vocabulary (0..{vocab - 1})")
     if prop.probs is not None and tuple(prop.probs.shape) != (batch, t.shape[1], vocab):
         raise SpeculantError(f"drafter returned q of shape {tuple(prop.probs.shape)}; expected "

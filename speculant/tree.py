@@ -74,16 +74,18 @@ def block_layout(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     parent_rows = parents.tolist()  # one copy off the device for both walks
     offsets = torch.tensor([[0] + depths_of(row) for row in parent_rows], dtype=torch.long,
                            device=parents.device).view(B, N + 1)
-    vis = torch.zeros(B, N + 1, N + 1, dtype=torch.bool, device=parents.device)
-    vis[:, :, 0] = True
-    rows, nodes, seen = [], [], []
-    for b, row in enumerate(parent_rows):  # node i (block slot i + 1) sees itself and its ancestors
-        for i, chain in enumerate(_ancestry_of(row)):
-            rows += [b] * len(chain)
-            nodes += [i + 1] * len(chain)
-            seen += [j + 1 for j in chain]
-    vis[tuple(torch.tensor(x, dtype=torch.long, device=parents.device) for x in (rows, nodes, seen))] = True
-    return offsets, vis
+    # as lists, then one tensor: node i (block slot i + 1) sees the root, itself and its ancestors
+    vis = []
+    for row in parent_rows:
+        block = [[True] + [False] * N]
+        for chain in _ancestry_of(row):
+            sees = [False] * (N + 1)
+            sees[0] = True
+            for j in chain:
+                sees[j + 1] = True
+            block.append(sees)
+        vis.append(block)
+    return offsets, torch.tensor(vis, dtype=torch.bool, device=parents.device).view(B, N + 1, N + 1)
 
 
 def path_block_index(path: torch.Tensor, n: torch.Tensor) -> torch.Tensor:

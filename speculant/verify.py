@@ -38,6 +38,7 @@ def greedy_verify(target_choice: torch.Tensor, draft: torch.Tensor, draft_len: t
     return n, target_choice.gather(1, n[:, None]).squeeze(1)
 
 
+_NO_PARENTS = torch.empty(0, dtype=torch.long)  # a chain's "parents" for the CPU kernel (read only)
 _compiled_greedy_accept: Callable | None = None  # the CPU kernels' (models/native.py sets it where built)
 
 
@@ -58,9 +59,8 @@ def greedy_accept(scores: torch.Tensor, draft: torch.Tensor, parents: torch.Tens
     fn = _compiled_greedy_accept
     if (fn is not None and scores.device.type == "cpu" and scores.dtype == torch.float32 and scores.dim() == 3
             and scores.shape[-1] > 0 and draft.dtype == draft_len.dtype == torch.long):
-        none = draft.new_empty(0)
         n, nxt, path = fn(scores.contiguous(), draft.contiguous(),
-                          none if parents is None else parents.to(torch.long).contiguous(), draft_len.contiguous())
+                          _NO_PARENTS if parents is None else parents.to(torch.long).contiguous(), draft_len.contiguous())
         return n, nxt, None if parents is None else path
     choice = argmax(scores)
     if parents is None:

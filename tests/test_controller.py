@@ -1,7 +1,8 @@
 """The adaptive γ controller: its decision function on synthetic α and costs, and its bookkeeping."""
-import pytest
-
 import random
+
+import pytest
+import torch
 
 from speculant.controller import (ChainGamma, CostModel, RowAlpha, StaticCosts, TreeGamma, VerifyTimes,
                                   choose_batch_gamma, choose_gamma, expected_tokens, expected_tokens_upto)
@@ -77,6 +78,22 @@ def test_verify_times_interpolate_and_extrapolate():
     assert vt(9) == pytest.approx(3.0)
     vt.observe(5, 4.0)  # EWMA, not replacement
     assert 2.0 < vt(5) < 4.0
+
+
+def test_verify_times_kept_estimates_follow_their_points():
+    # a decision's estimates are kept until the points change: by an observation or new points
+    vt = VerifyTimes()
+    vt.observe(1, 1.0)
+    vt.observe(5, 2.0)
+    assert vt(3) == pytest.approx(1.5) and not vt.covers(16) and not vt.covers_all((1, 16))
+    vt.observe(9, 5.0)
+    assert vt(7) == pytest.approx(3.5) and vt(3) == pytest.approx(1.5)
+    vt.observe(5, 3.0)  # EWMA: 0.7 * 2 + 0.3 * 3
+    assert vt(3) == pytest.approx(1.65)
+    vt.observe(16, 8.0)
+    assert vt.covers(16) and vt.covers_all((1, 16)) and vt.covers_all((1, 16))
+    vt.points = {1: 1.0}
+    assert vt(3) == pytest.approx(1.1) and not vt.covers(16) and not vt.covers_all((1, 16))
 
 
 def test_row_alpha_learns_and_unseen_positions_inherit():
@@ -635,3 +652,16 @@ def test_a_hybrids_trees_go_off_where_its_lookup_alone_yields_more():
         ctl.learn(prop, plan, accepted, 0.0 if plan.lookup else 0.5, 1.0 + 0.01 * width)
     later = kinds[100:]
     assert later.count("lookup") > 150 and later.count("tree") < 30, later
+
+
+def test_cap_keeps_a_proposal_verified_whole_and_empties_one_verified_not_at_all():
+    from speculant.drafters.base import Proposal
+    from speculant.engine import _cap
+
+    prop = Proposal(torch.tensor([[5, 6, 7], [8, 9, 0]]), torch.tensor([3, 2]), grades=[2, 1])
+    assert _cap(prop, [3, 5]) is prop  # nothing cut: the same proposal, no new tensors
+    none = _cap(prop, [0, 0])
+    assert none.tokens.shape == (2, 0) and none.lengths.tolist() == [0, 0] and none.grades == [2, 1]
+    cut = _cap(prop, [1, 2])
+    assert cut.tokens.tolist() == [[5, 6], [8, 9]] and cut.lengths.tolist() == [1, 2]
+    assert prop.lengths.tolist() == [3, 2]  # the drafter's own tensors untouched

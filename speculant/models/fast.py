@@ -463,8 +463,10 @@ class FastLlama:
             layout = invariant.tree_key_layout(write_at[:, 0], tree, S, self.dtype, static,
                                                None if static else native.built())
         else:
-            layout = invariant.key_layout(positions + 1, self.dtype, span=S if static else None)
-        idx = (torch.arange(B, device=tokens.device)[:, None].expand(B, w), write_at)
+            # a chain's positions are its slots (KVState.append): their largest count is S
+            layout = invariant.key_layout(positions + 1, self.dtype, span=S if static else None,
+                                          most=S if positions is write_at else None)
+        idx = (None, write_at)  # the rows' index: made where a layer's writes need it (_body)
         return self._body(tokens, positions, idx, keys, values, layout, last_only, self.pass_set, layers, taps,
                           below=S)
 
@@ -574,6 +576,8 @@ class FastLlama:
             h, inputs = mm.all_layers()(h, cos, sin, keys, values, idx[1], attend.layout, self.scaling, inner)  # one call
             tapped = dict(zip(inner, inputs.unbind(2)))
         else:
+            if idx[0] is None:  # each block position's row, for the cache writes' advanced indexing
+                idx = (torch.arange(tokens.shape[0], device=tokens.device)[:, None].expand(tokens.shape), idx[1])
             for i in range(self.n_layers) if layers is None else layers:
                 if i in taps:
                     tapped[i] = h
@@ -660,6 +664,19 @@ def cat_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def _columns(width: int, device: torch.device) -> torch.Tensor:
+    """[1, width] 0..width-1: a block's columns, made once per width (a small op saved a pass: they
+    run cold after a pass has streamed the weights). Read only, never written."""
+    return torch.arange(width, device=device)[None]
+
+
+@functools.lru_cache(maxsize=64)
+def _causal(width: int) -> list[list[bool]]:
+    """A causal block's visibility as lists (query t sees slots 0..t). Read only, never written."""
+    return [[s <= t for s in range(width)] for t in range(width)]
+
+
 class StaticKVState(PerRow):
     """KVState's interface over a static cache: ``lengths`` pointers, ``rollback`` moves them.
 
@@ -682,7 +699,7 @@ class StaticKVState(PerRow):
         return pad(width, room) if pad is not None else width
 
     def lengths(self) -> torch.Tensor:
-        return self.ptr.clone()
+        return self.ptr  # never written in place (each change makes a new tensor): no copy needed
 
     @torch.no_grad()
     def append(self, tokens: torch.Tensor, valid: torch.Tensor | None = None, last_only: bool = False,
@@ -694,19 +711,19 @@ class StaticKVState(PerRow):
         B, w = tokens.shape
         if tree is not None:
             offsets, vis = tree
-            if bool((vis == torch.ones(w, w, dtype=torch.bool, device=vis.device).tril()).all()):
+            if all(block == _causal(w) for block in vis.tolist()):
                 vis = None  # every row's tree a chain: the causal block's attention, the same bits (~10 us a layer less)
-            write_at = self.ptr[:, None] + torch.arange(w, device=tokens.device)[None]
+            write_at = self.ptr[:, None] + _columns(w, tokens.device)
             if int(write_at.max()) >= self.size:
                 raise RuntimeError("static KV cache is full")  # sized by the engine; a bug if reached
             logits = self.step(tokens, self.ptr[:, None] + offsets, write_at, self.keys, self.values, last_only,
                                tree=vis, taps=taps)
             self.ptr = self.ptr + w
             return logits
-        col = torch.arange(w, device=tokens.device)[None, :]
-        if valid is None:  # every column real
-            n_real, positions = w, self.ptr[:, None] + col
+        if valid is None:  # every column real (a one-token step's positions: the pointers, no op)
+            n_real, positions = w, self.ptr[:, None] if w == 1 else self.ptr[:, None] + _columns(w, tokens.device)
         else:
+            col = _columns(w, tokens.device)
             n_real = valid.sum(1)
             # inputs are right-aligned (left padding): real column t of row b is token t-(w-n_b)
             offset = col - (w - n_real[:, None])

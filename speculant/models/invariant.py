@@ -227,14 +227,17 @@ class KeyLayout:
 
 
 def key_layout(count: torch.Tensor, dtype: torch.dtype, visible: torch.Tensor | None = None,
-               span: int | None = None) -> KeyLayout:
+               span: int | None = None, most: int | None = None) -> KeyLayout:
     """The layout for queries that see ``count`` [B, T] keys: slots 0..count-1 (``visible`` None), or
     the slots where ``visible`` [B, T, span] is True, taken in slot order (a tree node's ancestors
     come before it, so slot order is text order). ``span``: the slots to read (default: as few as
-    hold every visible key; a static one keeps CUDA graphs' shapes)."""
+    hold every visible key; a static one keeps CUDA graphs' shapes). ``most``: ``count``'s largest
+    entry where the caller knows it (a pass's, read once)."""
     static = span is not None
     if span is None:  # at least a block: a matmul over a few keys may take another route
-        span = max(int(count.max()) if count.numel() else 1, KEY_BLOCK)
+        if most is None:
+            most = int(count.max()) if count.numel() else 1
+        span = max(most, KEY_BLOCK)
         if visible is not None:
             span = max(span, visible.shape[-1])
     width = key_width(span)
