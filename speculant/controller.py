@@ -343,7 +343,7 @@ TREE_PRIOR_TOKENS = expected_tokens(RowAlpha().prior_mean, 3)  # a tree pass's y
 
 def _width(prop: Proposal) -> tuple[list[int], int]:
     """Drafts (or nodes) per row and the verified block's width (the pass's first token + the longest)."""
-    lens = prop.lengths.tolist()
+    lens = prop.row_lengths()
     return lens, max(lens, default=0) + 1
 
 
@@ -513,7 +513,7 @@ class ChainGamma(AutoGamma):
         after seeing them); the drafter's chains."""
         if self.sees_drafts:
             prop = propose(max(0, min(self.gamma_max, room)))
-            return Plan(prop, *self.choose(room, prop.lengths.tolist(), prop.grades)[1:])
+            return Plan(prop, *self.choose(room, prop.row_lengths(), prop.grades)[1:])
         gamma, caps, retry = self.choose(room)
         return Plan(propose(gamma), caps, retry)
 

@@ -14,7 +14,7 @@ from typing import Iterator
 import torch
 
 from .controller import ChainGamma, CostModel, FixedGamma, HybridGamma, Plan, TreeGamma
-from .drafters.base import DraftContext, Drafter, Proposal, sync
+from .drafters.base import DraftContext, Drafter, ListedChains, Proposal, sync
 from .drafters.model import left_pad
 from .errors import SpeculantError
 from .models.backend import Backend
@@ -395,7 +395,7 @@ class Engine:
             return prop
 
         plan = b.control.plan(room, propose)
-        return _cap(plan.prop, plan.caps, lambda width: b.state.block_width(width, room)), plan
+        return _cap(plan.prop, plan.caps, lambda width: b.state.block_width(width, room), lambda: self._empty(batch)), plan
 
     def _verify(self, b: "Batch", prop: Proposal) -> None:
         """Score [pending token + drafts] in ONE target pass, accept, and keep exactly the accepted
@@ -470,7 +470,7 @@ class Engine:
         drafted = max(caps, default=0) > 0
         draft_cost = draft_seconds - (b.drafter.catchup_seconds if drafted else 0.0)
         b.control.learn(prop, plan, accepted, draft_cost, verify_seconds)
-        lens = prop.lengths.tolist()
+        lens = prop.row_lengths()
         # judged positions per row: a chain's length, a tree's depth
         depth = lens if prop.parents is None else tree_depths(prop.parents.tolist(), lens)
         for i, slot in enumerate(b.slots):
@@ -589,21 +589,24 @@ class Batch(PerRow):
         other.done, other.rows, other.slots = True, [], []
 
 
-def _cap(prop: Proposal, caps: list[int], block_width=None) -> Proposal:
+def _cap(prop: Proposal, caps: list[int], block_width=None, nothing=None) -> Proposal:
     """Limit row b to caps[b] drafts (a tree: its first caps[b] nodes, themselves a tree) and drop
     block columns no row uses (a narrower verify pass), or keep ``block_width(used)`` columns: past
-    every row's length they are verified and ignored, like a batch's shorter rows."""
-    if prop.tokens.shape[1] == 0 and (block_width is None or block_width(0) == 0):
+    every row's length they are verified and ignored, like a batch's shorter rows. ``nothing()``: a
+    proposal of no drafts for these rows (tensors made once), for a pass that verifies none."""
+    if prop.columns() == 0 and (block_width is None or block_width(0) == 0):
         return Proposal(prop.tokens, prop.lengths, grades=prop.grades)  # nothing proposed: a plain pass
-    proposed = prop.lengths.tolist()
+    proposed = prop.row_lengths()
     kept = [min(n, c) for n, c in zip(proposed, caps)]
     width = max(kept, default=0)
     if block_width is not None:
         width = block_width(width)
-    if kept == proposed and width == prop.tokens.shape[1]:
+    if kept == proposed and width == prop.columns():
         return prop  # every draft verified as proposed (a small op each saved: they run cold after a pass)
     if not width and prop.parents is None:  # nothing verified: a plain pass (a lookup's weak draft, say)
-        return Proposal(prop.tokens[:, :0], prop.lengths.new_zeros(prop.lengths.shape), grades=prop.grades)
+        empty = nothing() if nothing is not None else Proposal(prop.tokens[:, :0], prop.lengths.new_zeros(len(kept)))
+        empty.grades = prop.grades
+        return empty
     lengths = torch.tensor(kept, device=prop.lengths.device, dtype=prop.lengths.dtype)
 
     def fit(t, fill=0):
@@ -617,27 +620,31 @@ def _cap(prop: Proposal, caps: list[int], block_width=None) -> Proposal:
     return Proposal(tokens, lengths, fit(prop.probs), fit(prop.parents, -1), fit(prop.scores), prop.grades)
 
 
-def _extremes(t: torch.Tensor):
-    """The smallest and largest of a drafter's ids: on a CPU from a list (one small op, not a
-    reduction's: they run cold after a pass)."""
-    if t.device.type != "cpu":
-        return torch.aminmax(t)
-    ids = [i for row in t.tolist() for i in row]
-    return min(ids), max(ids)
-
-
 def check_proposal(prop: Proposal, batch: int, gamma: int, vocab: int, device: torch.device) -> None:
-    """A drafter's proposal, checked at the engine's boundary: one line naming what is wrong."""
-    t = prop.tokens
-    if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[0] != batch or t.shape[1] > max(gamma, 0):
-        raise SpeculantError(f"drafter returned draft tokens of shape {tuple(getattr(t, 'shape', ()))}; expected "
+    """A drafter's proposal, checked at the engine's boundary: one line naming what is wrong. Chains
+    held as lists (``ListedChains``) are checked as lists, and on a CPU the ids from a list: after a
+    pass has streamed the weights every small op runs cold."""
+    listed = isinstance(prop, ListedChains)
+    t = None if listed else prop.tokens
+    shape = (len(prop.chains), prop.width) if listed else tuple(getattr(t, "shape", ()))
+    if (not listed and not isinstance(t, torch.Tensor)) or len(shape) != 2 or shape[0] != batch or shape[1] > max(gamma, 0):
+        raise SpeculantError(f"drafter returned draft tokens of shape {shape}; expected "
                              f"[{batch}, <= {gamma}] (rows, draft tokens): fix the drafter's propose()")
-    if t.device != device or prop.lengths.device != device:
-        raise SpeculantError(f"drafter returned tensors on {t.device}, but the target runs on {device}")
-    if prop.lengths.shape != (batch,) or not all(0 <= n <= t.shape[1] for n in prop.lengths.tolist()):
-        raise SpeculantError(f"drafter returned lengths {prop.lengths.tolist()}: each must be within 0..{t.shape[1]}")
-    if t.numel() and not all(0 <= int(i) < vocab for i in _extremes(t)):
+    where = torch.device(prop.device) if listed else t.device
+    if where != device or (not listed and prop.lengths.device != device):
+        raise SpeculantError(f"drafter returned tensors on {where}, but the target runs on {device}")
+    lengths = prop.row_lengths() if listed or tuple(prop.lengths.shape) == (batch,) else None
+    if lengths is None or len(lengths) != batch or not all(0 <= n <= shape[1] for n in lengths):
+        raise SpeculantError(f"drafter returned lengths {prop.lengths.tolist()}: each must be within 0..{shape[1]}")
+    if listed or where.type == "cpu":
+        ids = [i for row in (prop.chains if listed else t.tolist()) for i in row]
+        extremes = (min(ids), max(ids)) if ids else ()
+    else:
+        extremes = torch.aminmax(t) if t.numel() else ()
+    if not all(0 <= int(i) < vocab for i in extremes):
         raise SpeculantError(f"drafter proposed token ids outside the vocabulary (0..{vocab - 1})")
+    if listed:
+        return
     if prop.probs is not None and tuple(prop.probs.shape) != (batch, t.shape[1], vocab):
         raise SpeculantError(f"drafter returned q of shape {tuple(prop.probs.shape)}; expected "
                              f"{(batch, t.shape[1], vocab)} (rows, drafts, the target's vocabulary)")

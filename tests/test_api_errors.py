@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import speculant
-from speculant.drafters.base import Drafter, Proposal
+from speculant.drafters.base import Drafter, ListedChains, Proposal
 from speculant.errors import SpeculantError
 from helpers import save_tiny_folder, tiny_llama
 
@@ -116,11 +116,17 @@ class Malformed(Drafter):
             return Proposal(tokens, lengths + 5)
         if self.how == "out of vocabulary":
             return Proposal(tokens + 500, lengths)
+        if self.how == "listed out of vocabulary":  # chains held as lists are checked as lists
+            return ListedChains([[500] * gamma] * B, gamma, self.ctx.device)
+        if self.how == "listed too long":
+            return ListedChains([[1] * (gamma + 2)] * B, gamma + 2, self.ctx.device)
         return Proposal(tokens, lengths, torch.zeros(B, gamma, 7))  # q of the wrong width
 
 
 @pytest.mark.parametrize("how,message", [("too long", "draft tokens of shape"), ("bad length", "lengths"),
-                                         ("out of vocabulary", "outside the vocabulary"), ("bad q", "q of shape")])
+                                         ("out of vocabulary", "outside the vocabulary"), ("bad q", "q of shape"),
+                                         ("listed out of vocabulary", "outside the vocabulary"),
+                                         ("listed too long", "draft tokens of shape")])
 def test_a_custom_drafters_malformed_proposal_is_one_line(how, message):
     with pytest.raises(SpeculantError, match=message):
         speculant.generate(tiny_llama(0), [1, 2, 3, 4], drafter=Malformed(how), gamma=3, max_new_tokens=8)

@@ -665,3 +665,17 @@ def test_cap_keeps_a_proposal_verified_whole_and_empties_one_verified_not_at_all
     cut = _cap(prop, [1, 2])
     assert cut.tokens.tolist() == [[5, 6], [8, 9]] and cut.lengths.tolist() == [1, 2]
     assert prop.lengths.tolist() == [3, 2]  # the drafter's own tensors untouched
+
+
+def test_listed_chains_make_their_tensors_only_when_verified():
+    from speculant.drafters.base import ListedChains, Proposal
+    from speculant.engine import _cap
+
+    listed = ListedChains([[5, 6, 7], [8]], 4, torch.device("cpu"), grades=[3, 1])
+    nothing = Proposal(torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, dtype=torch.long))  # the engine's, made once
+    none = _cap(listed, [0, 0], None, lambda: nothing)
+    assert listed._tensors is None and none.tokens.shape == (2, 0) and none.grades == [3, 1]
+    assert _cap(listed, [9, 9], lambda width: 4) is listed and listed._tensors is None
+    assert listed.tokens.tolist() == [[5, 6, 7, 0], [8, 0, 0, 0]] and listed.lengths.tolist() == [3, 1]
+    cut = _cap(ListedChains([[5, 6, 7], [8]], 4, torch.device("cpu")), [1, 1])
+    assert cut.tokens.tolist() == [[5], [8]] and cut.lengths.tolist() == [1, 1]

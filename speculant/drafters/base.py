@@ -54,6 +54,47 @@ class Proposal:
     # γ auto keeps acceptance per grade, so weak drafts go unverified and strong ones run long
     grades: list[int] | None = None
 
+    def row_lengths(self) -> list[int]:
+        """``lengths`` as a list."""
+        return self.lengths.tolist()
+
+    def columns(self) -> int:
+        """The draft columns (``tokens.shape[1]``)."""
+        return self.tokens.shape[1]
+
+
+class ListedChains(Proposal):
+    """Chains a drafter holds as lists (a lookup's), padded to ``width`` columns: the ``tokens`` and
+    ``lengths`` tensors are made when first read. γ auto verifies most lookups not at all (weak
+    matches stay unverified: ~9 passes in 10 on chat), and two tensors made after a pass has
+    streamed the weights cost ~0.1 ms of a ~4.5 ms q8 pass."""
+
+    def __init__(self, chains: list[list[int]], width: int, device, grades: list[int] | None = None):
+        self.chains, self.width, self.device, self.grades = chains, width, device, grades
+        self._tensors: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _made(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._tensors is None:
+            padded = [t for chain in self.chains for t in chain + [0] * (self.width - len(chain))]
+            tokens = torch.tensor(padded, dtype=torch.long, device=self.device).view(len(self.chains), self.width)
+            lengths = torch.tensor(self.row_lengths(), dtype=torch.long, device=self.device)
+            self._tensors = tokens, lengths
+        return self._tensors
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self._made()[0]
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self._made()[1]
+
+    def row_lengths(self) -> list[int]:
+        return [len(chain) for chain in self.chains]
+
+    def columns(self) -> int:
+        return self.width
+
 
 def draft_slots(ctx, history, logits: torch.Tensor, n: int) -> Proposal:
     """A block's n draft tokens from its slots' logits [B, >=n, V] (DFlash, P-EAGLE): each slot's q

@@ -101,7 +101,7 @@ class HybridDrafter(Drafter):
 
     def _lookup(self, gamma: int) -> tuple[Proposal, list[list[int]]]:
         lookup = self.lookup.propose(gamma)
-        chains = [row[:k] for row, k in zip(lookup.tokens.tolist(), lookup.lengths.tolist())]
+        chains = lookup.chains  # ListedChains: the lookup's own lists
         self.last_chain = list(zip(chains, lookup.grades))
         return lookup, chains
 

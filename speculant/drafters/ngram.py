@@ -14,9 +14,7 @@ acceptance per grade and drafts long only where the match is strong.
 """
 from __future__ import annotations
 
-import torch
-
-from .base import DraftContext, Drafter, Proposal, tree_proposal
+from .base import DraftContext, Drafter, ListedChains, Proposal, tree_proposal
 from .spec import DrafterKind
 
 
@@ -99,9 +97,7 @@ class NgramDrafter(Drafter):
         if self.tree:
             return tree_proposal([self._tree(row, gamma) for row in range(len(self.texts))], self.device)
         found, grades = zip(*[self._lookup(row, gamma) for row in range(len(self.texts))]) if self.texts else ((), ())
-        tokens = torch.tensor([c + [0] * (gamma - len(c)) for c in found], dtype=torch.long, device=self.device)
-        lengths = torch.tensor([len(c) for c in found], dtype=torch.long, device=self.device)
-        return Proposal(tokens.view(len(found), gamma), lengths, None, grades=list(grades))
+        return ListedChains(list(found), gamma, self.device, list(grades))  # tensors only if verified
 
     def update(self, new_tokens, n_accepted) -> None:
         for row, toks in enumerate(new_tokens):
