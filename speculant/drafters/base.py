@@ -115,16 +115,13 @@ def draft_slots(ctx, history, logits: torch.Tensor, n: int) -> Proposal:
 def tree_proposal(trees: list[tuple[list[int], list[int], list[float]]], device) -> Proposal:
     """Per row (tokens, parents, scores) of a best-first tree -> a padded tree Proposal (one-hot q)."""
     B, width = len(trees), max((len(t[0]) for t in trees), default=0)
-    tokens = torch.zeros(B, width, dtype=torch.long)
-    parents = torch.full((B, width), -1, dtype=torch.long)
-    scores = torch.zeros(B, width)
-    for row, (toks, pars, sc) in enumerate(trees):
-        if toks:
-            tokens[row, : len(toks)] = torch.tensor(toks, dtype=torch.long)
-            parents[row, : len(pars)] = torch.tensor(pars, dtype=torch.long)
-            scores[row, : len(sc)] = torch.tensor(sc, dtype=torch.float32)
-    lengths = torch.tensor([len(t[0]) for t in trees], dtype=torch.long)
-    return Proposal(tokens.to(device), lengths.to(device), None, parents.to(device), scores.to(device))
+
+    def padded(column: int, fill, dtype) -> torch.Tensor:  # one tensor a field, from lists (small ops run cold)
+        flat = [x for tree in trees for x in list(tree[column]) + [fill] * (width - len(tree[column]))]
+        return torch.tensor(flat, dtype=dtype, device=device).view(B, width)
+
+    lengths = torch.tensor([len(t[0]) for t in trees], dtype=torch.long, device=device)
+    return Proposal(padded(0, 0, torch.long), lengths, None, padded(1, -1, torch.long), padded(2, 0.0, torch.float32))
 
 
 @dataclass
