@@ -456,6 +456,27 @@ def test_a_killed_builds_lock_is_cleared_and_a_live_ones_kept(tmp_path, capsys):
     native._clear_stale_lock(tmp_path)  # none: nothing to do
 
 
+def test_a_build_waits_for_another_builds_lock_and_says_so(tmp_path, capsys):
+    """A fresh lock (another process building, or one killed a moment ago): waited for with a line,
+    not forever in silence; a stale one goes at once."""
+    import os
+    import threading
+    import time
+
+    from speculant.models import native
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    threading.Timer(0.3, lock.unlink).start()  # the other build finishes
+    native._await_other_build(tmp_path, poll_s=0.05)
+    assert not lock.exists() and "waiting for another build" in capsys.readouterr().err
+    lock.touch()
+    old = time.time() - native.STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    native._await_other_build(tmp_path, poll_s=0.05)  # quiet for longer than a build takes: removed, no wait
+    assert not lock.exists() and "stale build lock" in capsys.readouterr().err
+
+
 @needs_kernel
 def test_a_short_prompt_prefills_through_the_pass_kernels(monkeypatch):
     """A prompt of up to QUANTIZED_PREFILL_MAX tokens runs as one block of the passes' kernels: its

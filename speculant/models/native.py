@@ -48,6 +48,22 @@ def _clear_stale_lock(folder: Path) -> None:
         pass
 
 
+def _await_other_build(folder: Path, poll_s: float = 1.0) -> None:
+    """Wait here while another process's build holds the folder's lock, saying so once; a lock
+    that goes stale meanwhile (a build killed just before this one started) is removed. PyTorch's
+    own wait on it has no end: a run started right after a killed build waited silently forever."""
+    lock, said = folder / "lock", False
+    while True:
+        _clear_stale_lock(folder)
+        if not lock.exists():
+            return
+        if not said:
+            print(f"speculant: waiting for another build of the CPU kernels ({lock}; removed if nothing is written "
+                  f"there for {STALE_LOCK_S // 60} minutes)", file=sys.stderr, flush=True)
+            said = True
+        time.sleep(poll_s)
+
+
 def sources() -> str:
     """Every file of csrc/ (the binding includes the core's headers): a change to any rebuilds."""
     files = sorted(f for f in CSRC.rglob("*") if f.suffix in (".cpp", ".h") and "harness" not in f.parts)
@@ -116,7 +132,7 @@ def _build(isa: tuple[str, ...]):
         root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
         folders = [*root.glob(name), *root.glob(f"*/{name}")]
         for folder in folders:
-            _clear_stale_lock(folder)
+            _await_other_build(folder)
         if not any((folder / f"{name}.so").exists() for folder in folders):
             print("speculant: building the CPU kernels for this machine (once, about a minute)", file=sys.stderr,
                   flush=True)
