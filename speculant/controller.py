@@ -117,15 +117,19 @@ def choose_batch_width(gains: Sequence[Sequence[float]], costs) -> tuple[int, li
     on = [g > 0 for g in best_alone]
     if not any(on):
         return 0, on
-    gamma = _best([sum(gain[g] if row_on else 1.0 for gain, row_on in zip(gains, on)) / seconds[g]
-                   for g in range(width + 1)])
+    gamma = _best([_batch_tokens(gains, on, g) / seconds[g] for g in range(width + 1)])
     return gamma, on if gamma > 0 else [False] * len(on)
 
 
 def batch_rate(gains: Sequence[Sequence[float]], on: Sequence[bool], costs, g: int) -> float:
     """Expected tokens per second of a batch pass at width g: rows that are on draft (gains[row][g]),
     the others take one plain token."""
-    return sum(gain[g] if row_on else 1.0 for gain, row_on in zip(gains, on)) / costs.seconds(g)
+    return _batch_tokens(gains, on, g) / costs.seconds(g)
+
+
+def _batch_tokens(gains: Sequence[Sequence[float]], on: Sequence[bool], g: int) -> float:
+    """Expected tokens of a batch pass at width g (``batch_rate``'s numerator)."""
+    return sum(gain[g] if row_on else 1.0 for gain, row_on in zip(gains, on))
 
 
 def _argmax(f, gamma_max: int, start: int = 0) -> int:
@@ -155,9 +159,7 @@ class VerifyTimes:
 
     @points.setter
     def points(self, points: dict[int, float]) -> None:
-        # what the points imply, kept until they change: a pass's decision asks for each width's
-        # estimate and coverage several times (~30 us a pass of γ auto's ~0.2 ms, run cold after a pass)
-        self._points, self._estimates, self._covered = points, {}, {}
+        self._points = points
         self._all_covered: set[tuple[int, ...]] = set()  # ``covers_all``'s widths that were: they stay covered
 
     def observe(self, tokens: int, seconds: float) -> None:
@@ -165,7 +167,6 @@ class VerifyTimes:
         if old is not None:
             seconds = min(seconds, 2 * old)  # a pause (another process, the GC) is not what a pass costs
         self._points[tokens] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
-        self._estimates, self._covered = {}, {}
 
     SMOOTH_FROM = 32  # tokens per pass above which cost grows smoothly with width (no CPU steps)
 
@@ -173,10 +174,11 @@ class VerifyTimes:
         """Whether interpolation can be trusted at this width: one within 10% was timed (a batch that
         lost a row needs no new measurement), or it lies between timed widths at most 2x apart,
         or above SMOOTH_FROM tokens."""
-        covered = self._covered.get(tokens)
-        if covered is None:
-            covered = self._covered[tokens] = self._covers(tokens)
-        return covered
+        if any(abs(x - tokens) <= 0.1 * tokens for x in self.points):
+            return True
+        lo = max((x for x in self.points if x < tokens), default=None)
+        hi = min((x for x in self.points if x > tokens), default=None)
+        return lo is not None and hi is not None and (hi <= 2 * lo or lo >= self.SMOOTH_FROM)
 
     def covers_all(self, widths: tuple[int, ...]) -> bool:
         """``covers`` every one of ``widths``: once they are, they stay (observing only adds points,
@@ -188,20 +190,7 @@ class VerifyTimes:
             return True
         return False
 
-    def _covers(self, tokens: int) -> bool:
-        if any(abs(x - tokens) <= 0.1 * tokens for x in self.points):
-            return True
-        lo = max((x for x in self.points if x < tokens), default=None)
-        hi = min((x for x in self.points if x > tokens), default=None)
-        return lo is not None and hi is not None and (hi <= 2 * lo or lo >= self.SMOOTH_FROM)
-
     def __call__(self, tokens: int) -> float:
-        seconds = self._estimates.get(tokens)
-        if seconds is None:
-            seconds = self._estimates[tokens] = self._estimate(tokens)
-        return seconds
-
-    def _estimate(self, tokens: int) -> float:
         if tokens in self.points:
             return self.points[tokens]
         xs = sorted(self.points)

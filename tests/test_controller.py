@@ -80,8 +80,8 @@ def test_verify_times_interpolate_and_extrapolate():
     assert 2.0 < vt(5) < 4.0
 
 
-def test_verify_times_kept_estimates_follow_their_points():
-    # a decision's estimates are kept until the points change: by an observation or new points
+def test_verify_times_follow_their_points_and_kept_coverage_resets_with_new_points():
+    # estimates follow each observation; coverage, kept once true, starts over with new points
     vt = VerifyTimes()
     vt.observe(1, 1.0)
     vt.observe(5, 2.0)

@@ -454,7 +454,6 @@ class FastLlama:
 
         Every row gets the bits it would get alone as a one-token step (see ``invariant``): the
         matmuls run within their rows windows and attention reads each query's keys in text order."""
-        B, w = tokens.shape
         # on a CPU attention reads the live part of the cache only (its work follows the text's
         # length); on a GPU shapes stay static for CUDA graphs, so every pass reads the whole cache
         static = tokens.device.type != "cpu"
