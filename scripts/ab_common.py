@@ -55,12 +55,18 @@ def controller_at(rev: str):
     return module
 
 
+def revision_files(rev: str, *paths: str) -> tuple[Path, bytes]:
+    """``paths`` as they are at ``rev``, taken with ``git archive`` into a new temporary folder:
+    (the folder, the archive's bytes)."""
+    folder = Path(tempfile.mkdtemp(prefix="speculant-base-"))
+    files = subprocess.run(["git", "-C", str(REPO), "archive", rev, *paths], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=files, check=True)
+    return folder, files
+
+
 def base_kernels(rev: str):
     """The CPU kernels module built from ``rev``'s csrc/ under a name of its own (beside this tree's)."""
-    folder = Path(tempfile.mkdtemp(prefix="speculant-base-"))
-    files = subprocess.run(["git", "-C", str(REPO), "archive", rev, "speculant/models/csrc", "speculant/models/native.py"],
-                           capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(folder)], input=files, check=True)
+    folder, files = revision_files(rev, "speculant/models/csrc", "speculant/models/native.py")
     src = folder / "speculant/models/csrc"
     names = ast.literal_eval(re.search(r"^FUNCTIONS = (\(.*?\))$", (folder / "speculant/models/native.py").read_text(),
                                        re.S | re.M).group(1))

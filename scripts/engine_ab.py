@@ -14,28 +14,23 @@ import argparse
 import collections
 import importlib.util
 import json
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
 import speculant
+from ab_common import revision_files
 from speculant.bench.machine import machine_info
 from speculant.bench.prompts import read_prompts
 from speculant.models import quantized
 
-REPO = Path(__file__).resolve().parent.parent
 TIMED = ("run_pass", "eagle_chain")  # the kernels' calls whose time is not the engine's
 
 
 def speculant_at(rev: str):
     """``rev``'s speculant package, imported as ``speculant_base`` (every import inside it is relative)."""
-    folder = Path(tempfile.mkdtemp(prefix="speculant-engine-base-"))
-    files = subprocess.run(["git", "-C", str(REPO), "archive", rev, "speculant"], capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(folder)], input=files, check=True)
+    folder, _ = revision_files(rev, "speculant")
     spec = importlib.util.spec_from_file_location("speculant_base", folder / "speculant/__init__.py",
                                                   submodule_search_locations=[str(folder / "speculant")])
     module = importlib.util.module_from_spec(spec)
