@@ -32,12 +32,12 @@ def save_results(results: dict, **extra) -> None:
             json.dump({"argv": sys.argv, "machine": machine_info(), **extra, "results": named}, f, indent=1)
 
 
-def dump_side_by_side(path: str, args, summary: dict, res: dict) -> None:
+def dump_side_by_side(path: str, args, summary: dict, res: dict, **extra) -> None:
     """A side-by-side script's results to ``path``: its arguments, the machine, the summary per
-    method, and the raw sums per (method, category)."""
+    method, the raw sums per (method, category), and ``extra`` (e.g. per prompt)."""
     with open(path, "w") as f:
         json.dump({"args": vars(args), "machine": machine_info(), "summary": summary,
-                   "by_method_and_category": {f"{m}|{c}": v for (m, c), v in res.items()}}, f, indent=1)
+                   "by_method_and_category": {f"{m}|{c}": v for (m, c), v in res.items()}, **extra}, f, indent=1)
 
 
 REPO = Path(__file__).resolve().parent.parent

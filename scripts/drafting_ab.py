@@ -1,5 +1,6 @@
 """Drafters side by side in one process, calls interleaved (order reversed every other repeat): tok/s
-per bench category against the first method, τ, and drafting / the rest of a pass in ms.
+per bench category against the first method (with a 90 % bootstrap interval over the prompts), τ, and
+drafting / the rest of a pass in ms.
 
     python scripts/drafting_ab.py --dtype q8 --methods "none;eagle@2;eagle@2:tree;ngram@auto" \
         [--per-category 1] [--repeats 2] [--tokens 64] [--out ab.json]
@@ -19,10 +20,12 @@ controls and cost model swapped in for the method's calls) on this tree's kernel
 --methods "none;eagle+ngram@auto:base-controller;eagle+ngram@auto"``.
 Made benchmarks/results/cpu-AVX512BF16-2026-11-27-eagle-chain/, .../cpu-AVX512BF16-2026-11-27-lighter-passes/,
 .../cpu-AVX512BF16-2026-11-27-one-region/, .../cpu-AVX2-2026-11-28-zen3-float32-drafts/,
-.../cpu-AVX512BF16-2026-11-29-zen4-gamma-auto/ and .../cpu-AVX512BF16-2026-11-29-zen4-chain-in-kernel/."""
+.../cpu-AVX512BF16-2026-11-29-zen4-gamma-auto/, .../cpu-AVX512BF16-2026-11-29-zen4-chain-in-kernel/ and
+.../cpu-AVX512BF16-2026-11-29-zen4-gamma-auto-all-prompts/."""
 import argparse
 import collections
 import os
+import random
 import time
 from unittest import mock
 
@@ -96,19 +99,23 @@ def main() -> None:
         use(m)
         gen.generate(by_category["rag"][0], max_new_tokens=16, temperature=0.0, **kw)
     res = collections.defaultdict(lambda: {"tokens": 0, "seconds": 0.0, "passes": 0, "drafting": 0.0})
+    by_prompt = collections.defaultdict(lambda: [0, 0.0])  # (method, category, prompt's index): tokens, seconds
     for rep in range(a.repeats):
         for category, prompts in by_category.items():
-            for prompt in prompts[: a.per_category]:
+            for i, prompt in enumerate(prompts[: a.per_category]):
                 order = list(methods.items())
                 for m, (gen, kw) in order if rep % 2 == 0 else order[::-1]:
                     use(m)
                     t = time.perf_counter()
                     s = gen.generate(prompt, max_new_tokens=a.tokens, temperature=0.0, **kw).stats
+                    seconds = time.perf_counter() - t
                     r = res[(m, category)]
-                    r["seconds"] += time.perf_counter() - t
+                    r["seconds"] += seconds
                     r["tokens"] += s["new_tokens"]
                     r["passes"] += s["target_forward_passes"]
                     r["drafting"] += s.get("drafter_seconds", 0.0)
+                    by_prompt[(m, category, i)][0] += s["new_tokens"]
+                    by_prompt[(m, category, i)][1] += seconds
     base, categories = next(iter(methods)), list(by_category)
 
     def total(m, cats):
@@ -129,8 +136,43 @@ def main() -> None:
         print(m.ljust(pad) + "".join(f"{per[c]:10.3f}" for c in categories) +
               f"{s['vs_first']:10.3f}{s['tokens_per_second']:8.1f}{s['tau']:7.2f}{s['drafting_ms_per_pass']:10.2f}"
               f"{s['rest_ms_per_pass']:9.2f}")
+        if m != base:
+            s["interval_by_category"], s["interval"] = intervals(by_prompt, m, base, categories)
+            print("  90 %".ljust(pad) + "".join(f"{lo:5.2f}-{hi:.2f}"[:10].rjust(10)
+                                                for lo, hi in (s["interval_by_category"][c] for c in categories)) +
+                  f"{s['interval'][0]:5.2f}-{s['interval'][1]:.2f}".rjust(10))
     if a.out:
-        dump_side_by_side(a.out, a, summary, res)
+        dump_side_by_side(a.out, a, summary, res, by_prompt={"|".join(map(str, k)): v for k, v in by_prompt.items()})
+
+
+def intervals(by_prompt: dict, m: str, base: str, categories: list[str], draws: int = 2000):
+    """90 % bootstrap intervals of ``m``'s tok/s over ``base``'s, per category and over all, the
+    prompts drawn again with replacement within each category (a prompt's repeats stay together):
+    how far the ratio could move with other prompts of the same kinds. One chat request moves by
+    ±5-10 % between runs, so four prompts a category cannot tell a 3 % loss from noise."""
+    rng = random.Random(0)
+    prompts = {c: sorted(i for (mm, cc, i) in by_prompt if mm == m and cc == c) for c in categories}
+
+    def ratio(picked):  # picked: (category, prompt index) pairs
+        tm = sm = tb = sb = 0.0
+        for c, i in picked:
+            tm, sm = tm + by_prompt[(m, c, i)][0], sm + by_prompt[(m, c, i)][1]
+            tb, sb = tb + by_prompt[(base, c, i)][0], sb + by_prompt[(base, c, i)][1]
+        return (tm / sm) / (tb / sb)
+
+    samples = {c: [] for c in categories}
+    overall = []
+    for _ in range(draws):
+        drawn = {c: [(c, rng.choice(prompts[c])) for _ in prompts[c]] for c in categories}
+        for c in categories:
+            samples[c].append(ratio(drawn[c]))
+        overall.append(ratio([pick for c in categories for pick in drawn[c]]))
+
+    def span(xs):
+        xs = sorted(xs)
+        return [xs[int(0.05 * len(xs))], xs[int(0.95 * len(xs)) - 1]]
+
+    return {c: span(samples[c]) for c in categories}, span(overall)
 
 
 if __name__ == "__main__":
