@@ -1,9 +1,11 @@
 """scripts/ab_common.py: a side-by-side script's switch between this tree's CPU kernels and a base
 revision's reaches every kernel the model calls (both the linears' and attention's lookups keep
-the module they got)."""
+the module they got); drafting_ab.py's bootstrap intervals."""
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+
+import pytest
 
 from speculant.models import cpu_attention, native, quantized
 
@@ -14,7 +16,6 @@ from ab_common import Kernels  # noqa: E402
 def test_switching_kernels_reaches_the_linears_and_attention():
     kernels = Kernels(None)
     if kernels.own is None:
-        import pytest
         pytest.skip("no compiler: the kernels do not build here")
     base = SimpleNamespace(attend=object())  # stands in for a base revision's module
     kernels.base = base
@@ -28,3 +29,28 @@ def test_switching_kernels_reaches_the_linears_and_attention():
         native.build = kernels.build
         quantized.kernels.cache_clear()
         cpu_attention.kernel.cache_clear()
+
+
+def test_drafting_ab_intervals_cover_the_ratio_and_shrink_to_it_without_spread():
+    """drafting_ab's bootstrap intervals over the prompts: a method exactly 1.2x its base on every
+    prompt gets [1.2, 1.2]; with prompts that differ, an interval around the pooled ratio per
+    category and overall."""
+    import random
+
+    from drafting_ab import intervals
+
+    even = {(m, c, i): [64, 0.4 / (1.2 if m == "x" else 1.0)] for m in ("none", "x") for c in "ab" for i in range(6)}
+    per, overall = intervals(even, "x", "none", ["a", "b"], draws=200)
+    assert all(lo == pytest.approx(1.2) and hi == pytest.approx(1.2) for lo, hi in [*per.values(), overall])
+    rng = random.Random(0)
+    spread = {}
+    for c, speedup in (("a", 0.9), ("b", 1.5)):
+        for i in range(12):
+            base = 0.3 + 0.2 * rng.random()
+            spread[("none", c, i)] = [64, base]
+            spread[("x", c, i)] = [64, base / (speedup * (0.8 + 0.4 * rng.random()))]
+    per, overall = intervals(spread, "x", "none", ["a", "b"], draws=500)
+    for c, speedup in (("a", 0.9), ("b", 1.5)):
+        lo, hi = per[c]
+        assert lo < hi and lo < speedup * 1.2 and hi > speedup * 0.8
+    assert per["a"][1] < overall[0] < overall[1] < per["b"][0]  # all lies between the categories
