@@ -166,8 +166,11 @@ def test_every_isa_branch_gives_the_same_int8_bits(monkeypatch):
             if module is None:
                 pytest.skip("no C++ compiler for the CPU kernels")
             monkeypatch.setattr(quantized, "kernels", lambda: module)
-            outs[name] = QuantLinear(w, int8=True)(x)
-        assert all(torch.equal(outs[n], outs["native"]) for n in Q8_ISA), (bits, halves)
+            # every tiling: one row, tiles of 4 and what is left, one wider tile (AVX2: 5, AVX-512: up to 8)
+            outs[name] = [QuantLinear(w, int8=True)(x[:m]) for m in range(1, 10)]
+        for n in Q8_ISA:
+            assert all(torch.equal(a, b) for a, b in zip(outs[n], outs["native"])), (n, bits, halves)
+        assert all(torch.equal(outs["native"][m - 1], outs["native"][-1][:m]) for m in range(1, 10)), (bits, halves)
 
 
 @needs_kernel

@@ -146,14 +146,23 @@ inline void q8_tile(const Q8Rows& a, int64_t m0, const Q8Weights& w, int64_t gro
   }
 }
 
+// a block of M rows, Q8_ROWS < M <= q8_one_tile_rows(BITS), in one tile of M (false: M is not such a width)
+template <int BITS, bool HALF, int R = q8_one_tile_rows(BITS)>
+inline bool q8_one_tile(const Q8Rows& a, int64_t M, const Q8Weights& w, int64_t group, const float* bias, float* y) {
+  if constexpr (R > Q8_ROWS) {
+    if (M == R) return q8_tile<BITS, HALF, R>(a, 0, w, group, bias, y, true), true;
+    return q8_one_tile<BITS, HALF, R - 1>(a, M, w, group, bias, y);
+  }
+  return false;
+}
+
 template <int BITS, bool HALF>
 inline void q8_group(const Q8Rows& a, int64_t M, const Q8Weights& w, int64_t group, const float* bias, float* y) {
-  // a block of exactly Q8_ONE_TILE_ROWS rows in one tile (AVX2's 5: a 5-row block's decoder layers
-  // 5.35 -> 5.02 ms and its LM head 1.55 -> 1.32 against 4 + 1 on a 2-core Zen 3; tiles of 5 or 6
-  // for every block made 6 and 8 rows slower); integer sums, so any tiling gives the same bits
-  if constexpr (Q8_ONE_TILE_ROWS > Q8_ROWS) {
-    if (M == Q8_ONE_TILE_ROWS) return q8_tile<BITS, HALF, Q8_ONE_TILE_ROWS>(a, 0, w, group, bias, y, true);
-  }
+  // a block of up to q8_one_tile_rows(BITS) rows in one tile: the group's weights read once, prefetched as
+  // a one-tile stream (4 + 1 read them twice: on a 2-core Zen 3 (AVX2, up to 5) a 5-row block's
+  // decoder layers 5.35 -> 5.02 ms and its LM head 1.55 -> 1.32; tiles of 5 or 6 for every block
+  // made 6 and 8 rows slower there; AVX-512: up to 8); integer sums, so any tiling gives the same bits
+  if (q8_one_tile<BITS, HALF>(a, M, w, group, bias, y)) return;
   const bool stream = M <= Q8_ROWS;
   int64_t m = 0;
   for (; m + Q8_ROWS <= M; m += Q8_ROWS) q8_tile<BITS, HALF, Q8_ROWS>(a, m, w, group, bias, y, stream);

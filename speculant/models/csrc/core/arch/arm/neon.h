@@ -164,7 +164,7 @@ inline void dot_rows(const uint8_t* codes, const int8_t* const* x, const int32_t
 }
 
 constexpr int Q8_ROWS = 2;
-constexpr int Q8_ONE_TILE_ROWS = Q8_ROWS;  // no block is one wider tile
+constexpr int q8_one_tile_rows(int) { return Q8_ROWS; }  // no block is one wider tile
 // bytes past a block's start a one-row q8 tile asks for (not measured on ARM hardware: the x86 AVX-512 figure)
 constexpr int64_t Q8_PREFETCH_AHEAD = 256;
 

@@ -152,7 +152,7 @@ constexpr int Q8_ROWS = 4;
 // a block of exactly 5 rows (a γ-4 chain's) is one tile of 5: the group's weights read once, and
 // prefetched as a one-tile stream (4 + 1 read them twice; tiles of 5 for wider blocks made 6 and 8
 // rows slower: q8.h)
-constexpr int Q8_ONE_TILE_ROWS = 5;
+constexpr int q8_one_tile_rows(int) { return 5; }
 // bytes past a block's start a one-row q8 tile asks for (2 KB: measured on a 2-core Zen 3 (q8.h))
 constexpr int64_t Q8_PREFETCH_AHEAD = 2048;
 
