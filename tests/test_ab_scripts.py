@@ -1,6 +1,6 @@
 """scripts/ab_common.py: a side-by-side script's switch between this tree's CPU kernels and a base
 revision's reaches every kernel the model calls (both the linears' and attention's lookups keep
-the module they got); drafting_ab.py's bootstrap intervals."""
+the module they got); drafting_ab.py's bootstrap intervals; prefill_share.py's needed speedup."""
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -54,3 +54,13 @@ def test_drafting_ab_intervals_cover_the_ratio_and_shrink_to_it_without_spread()
         lo, hi = per[c]
         assert lo < hi and lo < speedup * 1.2 and hi > speedup * 0.8
     assert per["a"][1] < overall[0] < overall[1] < per["b"][0]  # all lies between the categories
+
+
+def test_prefill_share_needs_the_decoding_speedup_that_gives_the_target():
+    from prefill_share import needed
+
+    for share, target in ((0.2, 1.3), (0.33, 1.3), (0.0, 1.3), (0.5, 1.5)):
+        s = needed(share, target)
+        assert 1 / (share + (1 - share) / s) == pytest.approx(target)
+    assert needed(0.0, 1.3) == pytest.approx(1.3)  # no prefill: the decoding's own speedup
+    assert needed(0.8, 1.3) is None  # a prefill of 80 % caps any method at 1.25x
