@@ -146,7 +146,7 @@ inline void q8_tile(const Q8Rows& a, int64_t m0, const Q8Weights& w, int64_t gro
   }
 }
 
-// a block of M rows, Q8_ROWS < M <= q8_one_tile_rows(BITS), in one tile of M (false: M is not such a width)
+// a block of M rows, Q8_ROWS < M <= q8_one_tile_rows(BITS), as one tile of M (false: M is not so)
 template <int BITS, bool HALF, int R = q8_one_tile_rows(BITS)>
 inline bool q8_one_tile(const Q8Rows& a, int64_t M, const Q8Weights& w, int64_t group, const float* bias, float* y) {
   if constexpr (R > Q8_ROWS) {
@@ -158,10 +158,11 @@ inline bool q8_one_tile(const Q8Rows& a, int64_t M, const Q8Weights& w, int64_t 
 
 template <int BITS, bool HALF>
 inline void q8_group(const Q8Rows& a, int64_t M, const Q8Weights& w, int64_t group, const float* bias, float* y) {
-  // a block of up to q8_one_tile_rows(BITS) rows in one tile: the group's weights read once, prefetched as
-  // a one-tile stream (4 + 1 read them twice: on a 2-core Zen 3 (AVX2, up to 5) a 5-row block's
-  // decoder layers 5.35 -> 5.02 ms and its LM head 1.55 -> 1.32; tiles of 5 or 6 for every block
-  // made 6 and 8 rows slower there; AVX-512: up to 8); integer sums, so any tiling gives the same bits
+  // a block of up to q8_one_tile_rows(BITS) rows in one tile: the group's weights read once and
+  // prefetched as a one-tile stream (4 + 1 read them twice: on a 2-core Zen 3, AVX2's 5-row block's
+  // decoder layers 5.35 -> 5.02 ms and its LM head 1.55 -> 1.32, while tiles of 5 or 6 for every
+  // block made 6 and 8 rows slower; on a 2-core Zen 4, AVX-512's 5-8 rows 7-14 % faster); integer
+  // sums, so any tiling gives the same bits
   if (q8_one_tile<BITS, HALF>(a, M, w, group, bias, y)) return;
   const bool stream = M <= Q8_ROWS;
   int64_t m = 0;
