@@ -20,8 +20,8 @@ controls and cost model swapped in for the method's calls) on this tree's kernel
 --methods "none;eagle+ngram@auto:base-controller;eagle+ngram@auto"``.
 Made benchmarks/results/cpu-AVX512BF16-2026-11-27-eagle-chain/, .../cpu-AVX512BF16-2026-11-27-lighter-passes/,
 .../cpu-AVX512BF16-2026-11-27-one-region/, .../cpu-AVX2-2026-11-28-zen3-float32-drafts/,
-.../cpu-AVX512BF16-2026-11-29-zen4-gamma-auto/, .../cpu-AVX512BF16-2026-11-29-zen4-chain-in-kernel/ and
-.../cpu-AVX512BF16-2026-11-29-zen4-gamma-auto-all-prompts/."""
+.../cpu-AVX512BF16-2026-11-29-zen4-gamma-auto/, .../cpu-AVX512BF16-2026-11-29-zen4-chain-in-kernel/,
+.../cpu-AVX512BF16-2026-11-29-zen4-gamma-auto-all-prompts/ and .../cpu-AVX512BF16-2026-11-29-zen4-wider-q8-tiles/."""
 import argparse
 import collections
 import os
