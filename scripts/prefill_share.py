@@ -1,15 +1,14 @@
 """How much of a bench request's time comes before its first new token, plain decoding in
-``--dtype``: each prompt asked for 1 token (the prefill and one step) and for ``--tokens``,
-alternated; per category the share of the request's time and the speedup its decoding would need
-for a given overall one (``--target``): 1 / (share + (1 - share) / s) = target. The bench compares
-methods prefill included, and the prefill is the same for every method.
+``--dtype``: each prompt asked for ``--tokens``, the engine's own account of the request
+(``first_token_seconds`` of ``seconds``); per category the share of the request's time and the
+speedup its decoding would need for a given overall one (``--target``): 1 / (share + (1 - share) / s)
+= target. The bench compares methods prefill included, and the prefill is the same for every method.
 
     python scripts/prefill_share.py [--dtype q8] [--per-category 22] [--tokens 64] [--target 1.3] [--out F.json]
 """
 import argparse
 import collections
 import json
-import time
 
 import torch
 
@@ -39,17 +38,11 @@ def main() -> None:
     gen.generate(by_category["rag"][0], max_new_tokens=16, temperature=0.0)  # warm-up
     sums = collections.defaultdict(lambda: {"prompts": 0, "first_token_s": 0.0, "request_s": 0.0, "new_tokens": 0})
     for category, prompts in by_category.items():
-        for i, prompt in enumerate(prompts[: a.per_category]):
-            s = sums[category]
-            for n in ((1, a.tokens) if i % 2 == 0 else (a.tokens, 1)):
-                t = time.perf_counter()
-                stats = gen.generate(prompt, max_new_tokens=n, temperature=0.0).stats
-                seconds = time.perf_counter() - t
-                if n == 1:
-                    s["first_token_s"] += seconds
-                else:
-                    s["request_s"] += seconds
-                    s["new_tokens"] += stats["new_tokens"]
+        for prompt in prompts[: a.per_category]:
+            stats, s = gen.generate(prompt, max_new_tokens=a.tokens, temperature=0.0).stats, sums[category]
+            s["first_token_s"] += stats["first_token_seconds"]
+            s["request_s"] += stats["seconds"]
+            s["new_tokens"] += stats["new_tokens"]
             s["prompts"] += 1
     everything = {k: sum(s[k] for s in sums.values()) for k in ("prompts", "first_token_s", "request_s", "new_tokens")}
     results = {}
