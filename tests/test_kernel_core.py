@@ -5,8 +5,8 @@ formats and linears over float32 and bfloat16 weights at many widths, the latter
 their blocks' and float32 values' bits, attention over chains and trees in float32, bfloat16 and
 float16, a whole decoder layer, the norm, EAGLE-3's drafting call and its tree, greedy acceptance)
 on inputs it makes itself, checks width invariance, and prints a hash of each output. Built for
-each branch, it must print the same lines: the AVX-512, AVX2 and plain C++ branches on any x86
-CPU, and the ARM NEON branch (with and without the dot-product extension) and plain C++ for
+each branch, it must print the same lines: the AVX-512 (with and without VNNI; AMX with every q8
+width on its tiles where the CPU has it), AVX2 and plain C++ branches on any x86 CPU, and the ARM NEON branch (with and without the dot-product extension) and plain C++ for
 aarch64, cross-compiled with Debian's g++-aarch64-linux-gnu and run under qemu-user (``apt-get
 install g++-aarch64-linux-gnu qemu-user``; CI installs them, the test skips without).
 """
@@ -21,7 +21,10 @@ from speculant.models import native
 
 HARNESS = native.CSRC / "harness" / "harness.cpp"
 COMMON = ["-O2", "-std=c++17", "-ffp-contract=off", f"-I{native.CSRC}"]
-X86 = {"avx512": ["-march=x86-64-v4"], "avx2": ["-march=x86-64-v3"], "generic": ["-march=x86-64-v3", "-mno-avx2"]}
+# AMX (Intel Xeon since Sapphire Rapids) with every width of q8 on its tiles
+X86 = {"avx512-vnni-amx": ["-march=sapphirerapids", "-DSPK_Q8_AMX_FROM_ROWS=1"],
+       "avx512-vnni": ["-march=x86-64-v4", "-mavx512vnni"], "avx512": ["-march=x86-64-v4"],
+       "avx2": ["-march=x86-64-v3"], "generic": ["-march=x86-64-v3", "-mno-avx2"]}
 ARM = {"neon-dotprod": ["-march=armv8.2-a+dotprod"], "neon": ["-march=armv8-a"],
        "generic": ["-march=armv8-a", "-DSPK_FORCE_GENERIC"]}
 
@@ -53,7 +56,9 @@ def x86_outputs(tmp_path_factory):
     if platform.machine() not in ("x86_64", "AMD64") or shutil.which("g++") is None:
         pytest.skip("needs an x86-64 machine with g++")
     have = _cpu_flags()
-    runnable = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"}, "avx2": {"avx2", "fma"}, "generic": set()}
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+    runnable = {"avx512-vnni-amx": avx512 | {"avx512_vnni", "amx_tile", "amx_int8", "avx512_bf16", "avx512_fp16"},
+                "avx512-vnni": avx512 | {"avx512_vnni"}, "avx512": avx512, "avx2": {"avx2", "fma"}, "generic": set()}
     folder = tmp_path_factory.mktemp("harness")
     outs = {}
     for isa, flags in X86.items():

@@ -27,7 +27,16 @@ from helpers import save_tiny_folder
 from test_invariance import KINDS as EVERY_DRAFTER, REJECTED, _prompts as invariance_prompts
 from test_quantized import ISA, _drafter_for, _quantized_tiny, needs_kernel
 
-Q8_ISA = ISA | {"avx512-novnni": ("-mno-avx512vnni",)}
+def _has_amx() -> bool:
+    from speculant.models.native import _cpu_flags
+
+    return {"amx_tile", "amx_int8", "avx512_vnni"} <= _cpu_flags()
+
+
+# AVX-512 without VNNI; with VNNI and no AMX (on an AMX Xeon native runs 16 rows and more on its tiles:
+# arch/x86/amx.h); where the CPU has AMX, its tiles at every width
+Q8_ISA = ISA | {"avx512-novnni": ("-mno-avx512vnni",), "avx512-vnni": ("-mno-amx-tile", "-mno-amx-int8")} | (
+    {"amx-every-width": ("-DSPK_Q8_AMX_FROM_ROWS=1",)} if _has_amx() else {})
 
 
 @pytest.fixture(params=sorted(Q8_ISA))
@@ -166,7 +175,8 @@ def test_every_isa_branch_gives_the_same_int8_bits(monkeypatch):
             if module is None:
                 pytest.skip("no C++ compiler for the CPU kernels")
             monkeypatch.setattr(quantized, "kernels", lambda: module)
-            # every tiling: one row, tiles of 4 and what is left, one wider tile (AVX2: 5, AVX-512: up to 8)
+            # every tiling: one row, tiles of 4 and what is left, one wider tile (AVX2: 5, AVX-512: up to 8;
+            # AMX: a tile of up to 16)
             outs[name] = [QuantLinear(w, int8=True)(x[:m]) for m in range(1, 10)]
         for n in Q8_ISA:
             assert all(torch.equal(a, b) for a, b in zip(outs[n], outs["native"])), (n, bits, halves)

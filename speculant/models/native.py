@@ -71,7 +71,8 @@ def sources() -> str:
 
 
 # "-mno-<feature>" flags that change nothing on a CPU without the feature (cpuinfo's name for it)
-_TURNS_OFF = {"-mno-avx512f": "avx512f", "-mno-avx2": "avx2", "-mno-avx512vnni": "avx512_vnni"}
+_TURNS_OFF = {"-mno-avx512f": "avx512f", "-mno-avx2": "avx2", "-mno-avx512vnni": "avx512_vnni", "-mno-amx-tile": "amx_tile",
+              "-mno-amx-int8": "amx_int8"}
 
 
 def _cpu_flags() -> set[str]:
@@ -82,6 +83,17 @@ def _cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
+
+
+def _vendor_flags() -> tuple[str, ...]:
+    """Defines for what differs by CPU vendor and changes no bits: q8's prefetch (csrc/core/q8.h)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return ("-DSPK_CPU_INTEL",) if line.split(":", 1)[1].strip() == "GenuineIntel" else ()
+    except OSError:
+        pass
+    return ()
 
 
 # $SPECULANT_CPU_ISA: build an older ISA's branch on this CPU (benchmarks of the AVX2 class on an
@@ -100,7 +112,7 @@ def build(isa: tuple[str, ...] = ()):
     if forced not in ISA_FLAGS:
         print(f"speculant: ${ISA_ENV}={forced!r} is not one of {', '.join(ISA_FLAGS)}: ignored", file=sys.stderr)
         forced = "native"
-    flags = tuple(dict.fromkeys(ISA_FLAGS[forced] + isa))
+    flags = tuple(dict.fromkeys(_vendor_flags() + ISA_FLAGS[forced] + isa))
     with _BUILDING:
         return _build(tuple(f for f in flags if f not in _TURNS_OFF or _TURNS_OFF[f] in have))
 

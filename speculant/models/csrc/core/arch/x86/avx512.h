@@ -12,7 +12,9 @@
 
 namespace spk {
 
-#if defined(__AVX512VNNI__)
+#if defined(__AVX512VNNI__) && defined(__AMX_INT8__) && defined(__AMX_TILE__)
+constexpr const char* ISA = "avx512-vnni-amx";  // q8's wider blocks on AMX tiles (amx.h)
+#elif defined(__AVX512VNNI__)
 constexpr const char* ISA = "avx512-vnni";
 #else
 constexpr const char* ISA = "avx512";
@@ -141,3 +143,7 @@ constexpr int q8_one_tile_rows(int bits) { return bits == 4 ? 8 : 6; }
 constexpr int64_t Q8_PREFETCH_AHEAD = 256;
 
 }  // namespace spk
+
+#if defined(__AVX512VNNI__) && defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#include "amx.h"
+#endif
