@@ -3,9 +3,12 @@ one process: the default target's 30 decoder layers in one call (``run_layers``)
 for blocks of 1-8 rows after a context of ``--context`` tokens; the median and best of ``--rounds``,
 and whether both builds give every row the same bits. ``--prompts``: instead, the layers over
 prompts of these lengths from position 0 (a prefill's block, as ``FastLlama.prefill`` runs it in q8).
+``--base-flags``: the base is this tree built with these compiler flags on top (``-mno-amx-tile,-mno-amx-int8``:
+this tree without its AMX tiles), not a revision.
 
     python scripts/q8_widths_ab.py --base REV [--context 60] [--widths 1,2,3,4,5,8] [--rounds 15] [--out F.json]
     python scripts/q8_widths_ab.py --base REV --prompts 100,500,1500 [--rounds 11] [--out F.json]
+    python scripts/q8_widths_ab.py --base-flags=-mno-amx-tile,-mno-amx-int8 --widths 8,9,12,16
 """
 import argparse
 import json
@@ -25,7 +28,9 @@ from speculant.models.loading import load_model
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--base", required=True)
+    base = p.add_mutually_exclusive_group(required=True)
+    base.add_argument("--base", help="a git revision")
+    base.add_argument("--base-flags", help="comma-separated compiler flags: this tree built with them as the base")
     p.add_argument("--context", type=int, default=60)
     p.add_argument("--widths", default="1,2,3,4,5,8")
     p.add_argument("--rounds", type=int, default=15)
@@ -36,7 +41,13 @@ def main() -> None:
     widths = [int(w) for w in a.widths.split(",")]
     target = load_model("default", device="cpu", dtype="q8")
     fast = speculant.Generator(target, make_drafter("none", target)).backend.fast
-    builds = {"this tree": native.build(), a.base: base_kernels(a.base)}
+    if a.base_flags:
+        a.base = f"flags {a.base_flags}"
+        builds = {"this tree": native.build(), a.base: native.build(tuple(a.base_flags.split(",")))}
+    else:
+        builds = {"this tree": native.build(), a.base: base_kernels(a.base)}
+    if builds[a.base] is None:
+        raise SystemExit(f"q8_widths_ab: no kernels for the base ({a.base}): see the build's error above")
     norms, linears, bits = BoundLayers.weights(fast.pass_set.layers)
     handles = {name: m.bind_layers(norms, fast.eps, linears, bits, fast.n_heads, fast.n_kv, fast.head_dim)
                for name, m in builds.items()}
