@@ -15,7 +15,6 @@
 #include <unistd.h>
 
 #include <cstdint>
-#include <cstring>
 
 namespace spk {
 
@@ -59,7 +58,8 @@ inline void amx_release() { _tile_release(); }
 constexpr int64_t AMX_ROWS = 16;
 
 // GCC's tile intrinsics are asm without a memory clobber: it would drop the unpacked codes' stores
-// (nothing it knows of reads them) and could move the activations' stores or the sums' reads across the tile loads and stores
+// (nothing it knows of reads them) and could move the activations' stores or the sums' reads across
+// the tile loads and stores
 inline void memory_barrier() { asm volatile("" ::: "memory"); }
 
 inline I16 load16i(const int32_t* p) { return {_mm512_load_si512(p)}; }
