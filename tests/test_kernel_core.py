@@ -6,7 +6,8 @@ their blocks' and float32 values' bits, attention over chains and trees in float
 float16, a whole decoder layer, the norm, EAGLE-3's drafting call and its tree, greedy acceptance)
 on inputs it makes itself, checks width invariance, and prints a hash of each output. Built for
 each branch, it must print the same lines: the AVX-512 (with and without VNNI; AMX with every q8
-width on its tiles where the CPU has it), AVX2 and plain C++ branches on any x86 CPU, and the ARM NEON branch (with and without the dot-product extension) and plain C++ for
+width on its tiles where the CPU has it), AVX2 and plain C++ branches on any x86 CPU, and the ARM
+NEON branch (with and without the dot-product extension) and plain C++ for
 aarch64, cross-compiled with Debian's g++-aarch64-linux-gnu and run under qemu-user (``apt-get
 install g++-aarch64-linux-gnu qemu-user``; CI installs them, the test skips without).
 """

@@ -33,8 +33,9 @@ def _has_amx() -> bool:
     return {"amx_tile", "amx_int8", "avx512_vnni"} <= _cpu_flags()
 
 
-# AVX-512 without VNNI; with VNNI and no AMX (on an AMX Xeon native runs 16 rows and more on its tiles:
-# arch/x86/amx.h); where the CPU has AMX, its tiles at every width
+# AVX-512 without VNNI; with VNNI and no AMX (on an AMX Xeon native runs blocks wider than one vpdpbusd
+# tile, 9+ rows of 4-bit weights and 7+ of 8-bit, on its tiles: arch/x86/amx.h); where the CPU has AMX,
+# its tiles at every width
 Q8_ISA = ISA | {"avx512-novnni": ("-mno-avx512vnni",), "avx512-vnni": ("-mno-amx-tile", "-mno-amx-int8")} | (
     {"amx-every-width": ("-DSPK_Q8_AMX_FROM_ROWS=1",)} if _has_amx() else {})
 

@@ -75,25 +75,24 @@ _TURNS_OFF = {"-mno-avx512f": "avx512f", "-mno-avx2": "avx2", "-mno-avx512vnni":
               "-mno-amx-int8": "amx_int8"}
 
 
-def _cpu_flags() -> set[str]:
+def _cpuinfo(*keys: str) -> str:
+    """The value of the first /proc/cpuinfo line starting with one of ``keys`` ('' where none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return set(line.split(":", 1)[1].split())
+            if line.startswith(keys):
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return set()
+    return ""
+
+
+def _cpu_flags() -> set[str]:
+    return set(_cpuinfo("flags", "Features").split())
 
 
 def _vendor_flags() -> tuple[str, ...]:
     """Defines for what differs by CPU vendor and changes no bits: q8's prefetch (csrc/core/q8.h)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return ("-DSPK_CPU_INTEL",) if line.split(":", 1)[1].strip() == "GenuineIntel" else ()
-    except OSError:
-        pass
-    return ()
+    return ("-DSPK_CPU_INTEL",) if _cpuinfo("vendor_id") == "GenuineIntel" else ()
 
 
 # $SPECULANT_CPU_ISA: build an older ISA's branch on this CPU (benchmarks of the AVX2 class on an
