@@ -233,6 +233,27 @@ def test_the_kernel_spreads_a_long_context_step_over_threads_with_the_same_bits(
     assert torch.equal(tree, many[:1, :, :3])
 
 
+@pytest.mark.skipif(cpu_attention.kernel() is None, reason="no compiled CPU kernels here")
+@pytest.mark.parametrize("head_dim", [8, 24])
+def test_the_kernel_takes_head_dims_its_16_float_rows_do_not_divide(head_dim):
+    """Such heads (the tests' tiny models have 8) are padded with zeros: each query keeps one-token
+    steps' bits, the result is attention's (within float32 rounding of PyTorch's), and the whole
+    forward attends through the kernel (a query at a time in Python took a 24,000-row sampling
+    test ~15 minutes on a 2-core Xeon)."""
+    kernel = Attention(("kernel", Rows(1, 64)), ("kernel", Rows(1, 64)))
+    g = torch.Generator().manual_seed(0)
+    q, keys, values = torch.randn(3, 4, 5, head_dim, generator=g), *torch.randn(2, 3, 2, 40, head_dim, generator=g)
+    count = torch.tensor([[36, 37, 38, 39, 40], [3, 4, 5, 6, 7], [20, 20, 21, 22, 40]])
+    layout = invariant.key_layout(count, torch.float32)
+    got = kernel(q, keys, values, layout, 0.3)
+    assert got.shape == q.shape
+    torch.testing.assert_close(got, invariant._attend_per_query(q, keys, values, layout, 0.3), rtol=1e-5, atol=1e-6)
+    for dtype in (BF16, torch.float32):
+        assert invariant.attention_holds(kernel, dtype, 4, 2, head_dim)
+    fast = FastLlama(tiny_llama(3, layers=2, hidden=4 * head_dim))
+    assert "compiled" in fast.invariance["attention"] and fast.proves_invariance(layers=(0, 1))
+
+
 # ---- the whole forward ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])

@@ -18,6 +18,7 @@ import torch
 from . import native
 
 ENV = "SPECULANT_CPU_ATTENTION"
+LANES = 16  # the kernel's head dims are whole multiples of this (head dims between are padded)
 
 
 @functools.cache
@@ -33,4 +34,9 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: tor
            count: torch.Tensor, scale: float) -> torch.Tensor:
     fn = kernel()
     empty = torch.empty(0, 0, 0, dtype=torch.long)
-    return fn(q, keys, values, empty if slots is None else slots, count, scale)
+    D = q.shape[-1]
+    pad = -D % LANES
+    if pad:  # the kernel reads whole 16-float rows: zeros add nothing to a score and come out as zeros
+        q, keys, values = (torch.nn.functional.pad(x, (0, pad)) for x in (q, keys, values))
+    out = fn(q, keys, values, empty if slots is None else slots, count, scale)
+    return out[..., :D] if pad else out

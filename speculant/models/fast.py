@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..rows import PerRow
-from . import cpu_kernels, invariant, native, quantized
+from . import cpu_attention, cpu_kernels, invariant, native, quantized
 from .cpu_kernels import PackedLinear
 from .invariant import FLinear, KeyLayout, RowLinear
 from .quantized import DenseWeight, QuantLinear, QuantWeight
@@ -159,18 +159,20 @@ QUANTIZED_PREFILL_MAX = 128
 DENSE_PREFILL_MAX = 24
 
 
-def _kernel_attention(attention: invariant.Attention) -> bool:
-    """Whether chains and trees alike attend through the compiled CPU kernel."""
-    return {getattr(attention, "chain", ("",))[0], getattr(attention, "tree", ("",))[0]} == {"kernel"}
+def _kernel_attention(attention: invariant.Attention, head_dim: int) -> bool:
+    """Whether chains and trees alike attend through the compiled CPU kernel, with heads the compiled
+    layers attend over themselves (whole 16-float rows; other head dims go through ``attend``)."""
+    kinds = {getattr(attention, "chain", ("",))[0], getattr(attention, "tree", ("",))[0]}
+    return kinds == {"kernel"} and head_dim % cpu_attention.LANES == 0
 
 
 class PassAttention:
     """A pass's attention, ``attend(q, keys, values)``; ``kernel``: it is the compiled CPU kernel,
     which a quantized layer calls itself with ``layout`` and ``scaling`` (the layer in one call)."""
 
-    def __init__(self, attention: invariant.Attention, layout: KeyLayout, scaling: float):
+    def __init__(self, attention: invariant.Attention, layout: KeyLayout, scaling: float, head_dim: int):
         self.attention, self.layout, self.scaling = attention, layout, scaling
-        self.kernel = _kernel_attention(attention)
+        self.kernel = _kernel_attention(attention, head_dim)
 
     def __call__(self, q, keys, values):
         return self.attention(q, keys, values, self.layout, self.scaling)
@@ -427,7 +429,8 @@ class FastLlama:
         # q8 keeps its cache in float16 where its kernels attend (llama.cpp's default too): a long
         # context's attention streams half the bytes; keys and values are rounded once as they are
         # written and read back exactly, so every row still gets the same bits at any width
-        on_kernels = self.int8 and self.pass_set.layer_fn is quantized_layer and _kernel_attention(self.attention)
+        on_kernels = (self.int8 and self.pass_set.layer_fn is quantized_layer
+                      and _kernel_attention(self.attention, self.head_dim))
         self.cache_dtype = torch.float16 if on_kernels else self.dtype
         self._proven = None
         # the prefill runs HF's own F.linear calls and SDPA's causal kernel over each prompt alone, so
@@ -560,7 +563,7 @@ class FastLlama:
     def _body(self, tokens, positions, idx, keys, values, layout: KeyLayout | None, last_only: bool, mm: _MatmulSet,
               layers=None, taps: tuple = (), *, below: int):
         """``below``: every position is below it (the slots the pass reads)."""
-        attend = None if layout is None else PassAttention(self.attention, layout, self.scaling)
+        attend = None if layout is None else PassAttention(self.attention, layout, self.scaling, self.head_dim)
         whole = mm.all_layers is not None and layers is None and getattr(attend, "kernel", False)
         if whole and mm.all_layers().whole_passes:  # embeddings to logits in one call
             self._rotary_table = position_table(self._rotary_table, below, self._rope, positions.device)

@@ -39,7 +39,7 @@ from . import cpu_attention
 from .cpu_kernels import machine_key
 from .loading import cache_dir
 
-CHECKS_VERSION = 9  # bump when a check or a kernel it judges changes: cached results are then redone
+CHECKS_VERSION = 10  # bump when a check or a kernel it judges changes: cached results are then redone
 KEY_BLOCK = 64  # key columns are padded to a multiple of this (at least one block)
 # row counts each matmul is checked at: every one to 17, then around the blocks of 8/16/32 kernels
 # tile by, and past 64 (cut into calls)
@@ -479,7 +479,7 @@ def attention_choice(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: in
 def _choose_attention(dtype, heads, kv_heads, head_dim, device) -> Attention:
     """Chains first (one-token steps are chains of one: every mode is judged against them), then trees."""
     candidates = [("tiled", rows) for rows in WINDOWS] + [("batched", rows) for rows in WINDOWS]
-    if device == "cpu" and head_dim % 16 == 0 and head_dim <= 256 and _cpu_kernel() is not None:
+    if device == "cpu" and head_dim <= 256 and _cpu_kernel() is not None:
         candidates.insert(0, ("kernel", WIDE))  # exact by construction; the check runs all the same
 
     def holds(chain, tree, kind):
