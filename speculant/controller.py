@@ -147,26 +147,41 @@ def _best(values: Sequence[float]) -> int:
 
 class VerifyTimes:
     """Target seconds per pass as a function of tokens processed (batch × k): an EWMA per width,
-    linear interpolation between measured widths, linear extrapolation outside them."""
+    linear interpolation between measured widths, linear extrapolation outside them.
 
-    def __init__(self, prior_slope: float = 0.05, decay: float = 0.7):
+    The widths are kept relative to the machine's running speed, so a width timed minutes ago is
+    scaled by how the machine has drifted since: each pass moves its width's estimate as the EWMA
+    says, ``speed_share`` of that move (in ratio) taken as the machine's (every width's) and the rest
+    as the width's own. The plain pass is timed every pass, a wide one now and then: on a VM whose
+    speed swings by 10-20 %, kept as absolute times, the plain pass's estimate had risen above stale
+    ones of 2 and 3 rows, drafts then looked free, and γ auto verified drafts it expected to keep 7 %
+    of (multi-turn chat, 2-core Xeon). Each width's estimate still converges on its own passes."""
+
+    def __init__(self, prior_slope: float = 0.05, decay: float = 0.7, speed_share: float = 0.9):
         self.points: dict[int, float] = {}
-        self.prior_slope, self.decay = prior_slope, decay
+        self.prior_slope, self.decay, self.speed_share = prior_slope, decay, speed_share
 
     @property
     def points(self) -> dict[int, float]:
-        return self._points
+        """Each timed width's estimate now (seconds)."""
+        return {tokens: self.speed * t for tokens, t in self._points.items()}
 
     @points.setter
     def points(self, points: dict[int, float]) -> None:
-        self._points = points
+        self._points, self.speed = dict(points), 1.0  # per width: its seconds at the machine's speed 1
         self._all_covered: set[tuple[int, ...]] = set()  # ``covers_all``'s widths that were: they stay covered
 
     def observe(self, tokens: int, seconds: float) -> None:
-        old = self.points.get(tokens)
-        if old is not None:
-            seconds = min(seconds, 2 * old)  # a pause (another process, the GC) is not what a pass costs
-        self._points[tokens] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+        own = self._points.get(tokens)
+        if own is None:
+            self._points[tokens] = seconds / self.speed
+            return
+        old = self.speed * own
+        seconds = min(seconds, 2 * old)  # a pause (another process, the GC) is not what a pass costs
+        new = self.decay * old + (1 - self.decay) * seconds
+        if old > 0 and new > 0:  # (a drafter whose drafts cost nothing tells nothing of the machine)
+            self.speed *= (new / old) ** self.speed_share
+        self._points[tokens] = new / self.speed
 
     SMOOTH_FROM = 32  # tokens per pass above which cost grows smoothly with width (no CPU steps)
 
@@ -174,10 +189,10 @@ class VerifyTimes:
         """Whether interpolation can be trusted at this width: one within 10% was timed (a batch that
         lost a row needs no new measurement), or it lies between timed widths at most 2x apart,
         or above SMOOTH_FROM tokens."""
-        if any(abs(x - tokens) <= 0.1 * tokens for x in self.points):
+        if any(abs(x - tokens) <= 0.1 * tokens for x in self._points):
             return True
-        lo = max((x for x in self.points if x < tokens), default=None)
-        hi = min((x for x in self.points if x > tokens), default=None)
+        lo = max((x for x in self._points if x < tokens), default=None)
+        hi = min((x for x in self._points if x > tokens), default=None)
         return lo is not None and hi is not None and (hi <= 2 * lo or lo >= self.SMOOTH_FROM)
 
     def covers_all(self, widths: tuple[int, ...]) -> bool:
@@ -191,13 +206,15 @@ class VerifyTimes:
         return False
 
     def __call__(self, tokens: int) -> float:
-        if tokens in self.points:
-            return self.points[tokens]
-        xs = sorted(self.points)
-        if not xs:
-            return 1.0
+        return self.speed * self._at_speed_one(tokens) if self._points else 1.0
+
+    def _at_speed_one(self, tokens: int) -> float:
+        points = self._points
+        if tokens in points:
+            return points[tokens]
+        xs = sorted(points)
         if len(xs) == 1:  # one width seen: assume cost grows by prior_slope of itself per extra token
-            x, y = xs[0], self.points[xs[0]]
+            x, y = xs[0], points[xs[0]]
             return max(y * 0.5, y * (1 + self.prior_slope * (tokens - x) / max(x, 1)))
         lo = max((x for x in xs if x < tokens), default=None)
         hi = min((x for x in xs if x > tokens), default=None)
@@ -205,8 +222,8 @@ class VerifyTimes:
             lo, hi = xs[0], xs[1]
         elif hi is None:
             lo, hi = xs[-2], xs[-1]
-        slope = max(0.0, (self.points[hi] - self.points[lo]) / (hi - lo))
-        return max(1e-9, self.points[lo] + slope * (tokens - lo))
+        slope = max(0.0, (points[hi] - points[lo]) / (hi - lo))
+        return max(1e-9, points[lo] + slope * (tokens - lo))
 
 
 class CostModel:

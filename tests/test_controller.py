@@ -80,6 +80,22 @@ def test_verify_times_interpolate_and_extrapolate():
     assert 2.0 < vt(5) < 4.0
 
 
+def test_a_machine_that_slows_down_keeps_its_widths_costs_in_proportion():
+    """Plain passes are timed every pass, wide ones now and then. When the machine slows by 20 % (a
+    VM's neighbours), the widths timed before are scaled with it: verifying a draft still costs more
+    than a plain pass, and a draft kept 7 % of the time is not worth it. Kept as absolute times, the
+    plain pass's estimate rose above the stale ones of 2 and 3 rows and such drafts looked free."""
+    vt = VerifyTimes()
+    for tokens, seconds in ((1, 1.0), (2, 1.15), (3, 1.3)):
+        vt.observe(tokens, seconds)
+    for _ in range(50):
+        vt.observe(1, 1.2)
+    assert vt(1) == pytest.approx(1.2, rel=0.01)
+    assert vt(2) / vt(1) == pytest.approx(1.15, rel=0.03) and vt(3) / vt(1) == pytest.approx(1.3, rel=0.03)
+    assert choose_gamma(0.07, StaticCosts(0.0, vt), 2) == 0
+    assert choose_gamma(0.5, StaticCosts(0.0, vt), 2) > 0  # a draft worth verifying still is
+
+
 def test_verify_times_follow_their_points_and_kept_coverage_resets_with_new_points():
     # estimates follow each observation; coverage, kept once true, starts over with new points
     vt = VerifyTimes()
@@ -88,8 +104,9 @@ def test_verify_times_follow_their_points_and_kept_coverage_resets_with_new_poin
     assert vt(3) == pytest.approx(1.5) and not vt.covers(16) and not vt.covers_all((1, 16))
     vt.observe(9, 5.0)
     assert vt(7) == pytest.approx(3.5) and vt(3) == pytest.approx(1.5)
-    vt.observe(5, 3.0)  # EWMA: 0.7 * 2 + 0.3 * 3
-    assert vt(3) == pytest.approx(1.65)
+    vt.observe(5, 3.0)  # EWMA: 0.7 * 2 + 0.3 * 3, 90 % of the move (in ratio) taken as the machine's
+    assert vt(5) == pytest.approx(2.3) and vt(1) == pytest.approx(1.15 ** 0.9)
+    assert vt(3) == pytest.approx((1.15 ** 0.9 + 2.3) / 2)
     vt.observe(16, 8.0)
     assert vt.covers(16) and vt.covers_all((1, 16)) and vt.covers_all((1, 16))
     vt.points = {1: 1.0}
