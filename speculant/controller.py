@@ -179,7 +179,7 @@ class VerifyTimes:
         old = self.speed * own
         seconds = min(seconds, 2 * old)  # a pause (another process, the GC) is not what a pass costs
         new = self.decay * old + (1 - self.decay) * seconds
-        if old > 0 and new > 0:  # (a drafter whose drafts cost nothing tells nothing of the machine)
+        if old > 0:  # (a drafter whose drafts cost nothing tells nothing of the machine)
             self.speed *= (new / old) ** self.speed_share
         self._points[tokens] = new / self.speed
 
