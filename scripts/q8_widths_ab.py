@@ -4,9 +4,14 @@ for blocks of 1-8 rows after a context of ``--context`` tokens; the median and b
 and whether both builds give every row the same bits. ``--prompts``: instead, the layers over
 prompts of these lengths from position 0 (a prefill's block, as ``FastLlama.prefill`` runs it in q8).
 ``--base-flags``: the base is this tree built with these compiler flags on top (``-mno-amx-tile,-mno-amx-int8``:
-this tree without its AMX tiles), not a revision.
+this tree without its AMX tiles), not a revision. ``--run N``: each build takes N passes in a row before
+the other's (each timed): a pass finds the caches as the pass before left them, so a change to what
+stays cached (a prefetch's locality) shows only in runs: alternated pass by pass, a build whose
+non-temporal prefetches left a 1.5k-token cache out of the Xeon's L3 made the other's next pass read
+it from memory too (the attention's prefetch change, 2026-11-30: one row level pass by pass, 5 % apart
+in runs of 20).
 
-    python scripts/q8_widths_ab.py --base REV [--context 60] [--widths 1,2,3,4,5,8] [--rounds 15] [--out F.json]
+    python scripts/q8_widths_ab.py --base REV [--context 60] [--widths 1,2,3,4,5,8] [--rounds 15] [--run 1] [--out F.json]
     python scripts/q8_widths_ab.py --base REV --prompts 100,500,1500 [--rounds 11] [--out F.json]
     python scripts/q8_widths_ab.py --base-flags=-mno-amx-tile,-mno-amx-int8 --widths 8,9,12,16
 """
@@ -34,6 +39,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=60)
     p.add_argument("--widths", default="1,2,3,4,5,8")
     p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--run", type=int, default=1, help="passes each build takes in a row (a width's)")
     p.add_argument("--prompts", help="prompt lengths: time the layers over a prompt's block instead")
     p.add_argument("--out")
     a = p.parse_args()
@@ -65,11 +71,13 @@ def main() -> None:
             cos, sin = fast.rotary(pos, a.context + w)
             count = invariant.key_layout(pos + 1, fast.dtype).count
             for name, m in builds.items():
-                t0 = time.perf_counter()
-                y, _ = m.run_layers(handles[name], h, cos, sin, keys, values, pos, _NO_SLOTS, count, fast.scaling, [])
-                t1 = time.perf_counter()
-                logits = m.quant_linear(y.view(w, -1), head.args, head.weight.bits)
-                times.setdefault((name, w), []).append((t1 - t0, time.perf_counter() - t1))
+                for _ in range(a.run):
+                    t0 = time.perf_counter()
+                    y, _ = m.run_layers(handles[name], h, cos, sin, keys, values, pos, _NO_SLOTS, count, fast.scaling,
+                                        [])
+                    t1 = time.perf_counter()
+                    logits = m.quant_linear(y.view(w, -1), head.args, head.weight.bits)
+                    times.setdefault((name, w), []).append((t1 - t0, time.perf_counter() - t1))
                 outs[(name, w)] = logits
     results = {}
     for w in widths:

@@ -106,14 +106,21 @@ def build(isa: tuple[str, ...] = ()):
     """The compiled kernels module (``csrc/kernels.cpp``), or None (no compiler, a failed build).
     ``isa``: flags on top of ``-march=native`` (``-mno-avx512f``: the AVX2 branch, which the tests
     build on any x86 CPU); one that turns off a feature this CPU lacks is dropped (the same build)."""
+    flags = build_flags(isa)
+    with _BUILDING:
+        return _build(flags)
+
+
+def build_flags(isa: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The flags ``build`` adds to FLAGS: this CPU's vendor's defines, ``$SPECULANT_CPU_ISA``'s and
+    ``isa``, less those that turn off a feature this CPU lacks."""
     have = _cpu_flags()
     forced = os.environ.get(ISA_ENV, "native")
     if forced not in ISA_FLAGS:
         print(f"speculant: ${ISA_ENV}={forced!r} is not one of {', '.join(ISA_FLAGS)}: ignored", file=sys.stderr)
         forced = "native"
     flags = tuple(dict.fromkeys(_vendor_flags() + ISA_FLAGS[forced] + isa))
-    with _BUILDING:
-        return _build(tuple(f for f in flags if f not in _TURNS_OFF or _TURNS_OFF[f] in have))
+    return tuple(f for f in flags if f not in _TURNS_OFF or _TURNS_OFF[f] in have)
 
 
 def start_building() -> None:

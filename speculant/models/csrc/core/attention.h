@@ -30,6 +30,18 @@ constexpr int64_t MAX_D = 256;  // head dims up to this, in whole vectors
 // otherwise waits on each row (8 and 16 alike; with AVX2's threes below, the attention at 1.5k keys
 // ~7 % faster on a 2-core Zen 3)
 constexpr int64_t VALUES_AHEAD = 16;
+// how near the core those prefetches ask for the lines (__builtin_prefetch's locality). On AMD
+// keys into L2 (below: measured best on a Zen 4) and values non-temporal (as timed on a Zen 3). On
+// Intel (native.py defines SPK_CPU_INTEL) both into L1, as q8's weights there: prefetchnta stalled
+// the values' loop. A 2-core Xeon (Emerald Rapids), a step's attention over 1,495 float16 keys in
+// 30 layers (scripts/attention_core_ab.py, medians of 7 alternated runs): 3.28 ms as on AMD, 2.55
+// with both into L1 (read cold: 5.06 -> 4.30; float32 keys 4.37 -> 3.20); 500 keys 10-14 % faster,
+// 110 level. No bits change.
+#if defined(SPK_CPU_INTEL)
+constexpr int KEYS_LOCALITY = 3, VALUES_LOCALITY = 3;
+#else
+constexpr int KEYS_LOCALITY = 2, VALUES_LOCALITY = 0;
+#endif
 
 template <typename T>
 struct Strided4 {  // a [B, H, T, D] tensor's data and strides (elements)
@@ -79,12 +91,13 @@ constexpr int64_t WIDEN_ROWS = 32;
 // keys x0 .. x0 + LANES - 1 of a [S, D] cache with rows `stride` apart, a key per lane: kt[d * LANES
 // + l] is key x0 + l's d (zeros past L). In NATIVE x NATIVE blocks transposed in registers (a
 // one-token step lays out every key of its context: a float at a time, this took most of its
-// attention's time), asking for the keys two blocks on meanwhile (into L2: 5-10 % faster than into
-// L1 or non-temporal on a 1.5k-token context, a 2-core Zen 4).
+// attention's time), asking for the keys two blocks on meanwhile (KEYS_LOCALITY; on AMD into L2:
+// 5-10 % faster than into L1 or non-temporal on a 1.5k-token context, a 2-core Zen 4).
 template <typename C>
 inline void lay_out_keys(const C* keys, int64_t stride, int64_t x0, int64_t L, int64_t D, float* kt) {
   for (int64_t x = x0 + 2 * LANES; x < std::min(x0 + 3 * LANES, L); ++x)
-    for (int64_t d = 0; d < D; d += LINE / int64_t(sizeof(C))) __builtin_prefetch(keys + x * stride + d, 0, 2);
+    for (int64_t d = 0; d < D; d += LINE / int64_t(sizeof(C)))
+      __builtin_prefetch(keys + x * stride + d, 0, KEYS_LOCALITY);
   for (int64_t l0 = 0; l0 < LANES; l0 += NATIVE)
     for (int64_t d0 = 0; d0 < D; d0 += NATIVE) {
       vn rows[NATIVE];
@@ -308,7 +321,7 @@ struct Attender {
       const V* val = values + slot_of(t, u, x) * stride;
       if (x + VALUES_AHEAD < t.L)
         for (int64_t b = 0; b < (NV ? NV : nv) * NATIVE; b += LINE / int64_t(sizeof(V)))
-          __builtin_prefetch(values + (x + VALUES_AHEAD) * stride + c0 * NATIVE + b, 0, 0);
+          __builtin_prefetch(values + (x + VALUES_AHEAD) * stride + c0 * NATIVE + b, 0, VALUES_LOCALITY);
       float p[N];
       for (int i = 0; i < N; ++i) p[i] = w[i] ? w[i][x] : 0.f;
 #pragma GCC unroll 32
