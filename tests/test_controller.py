@@ -78,6 +78,10 @@ def test_verify_times_interpolate_and_extrapolate():
     assert vt(9) == pytest.approx(3.0)
     vt.observe(5, 4.0)  # EWMA, not replacement
     assert 2.0 < vt(5) < 4.0
+    vt = VerifyTimes()
+    for tokens, seconds in ((8, 7.0), (2, 2.0), (4, 3.0)):  # timed out of order: the nearest on each side
+        vt.observe(tokens, seconds)
+    assert [vt(t) for t in (1, 3, 6, 10)] == pytest.approx([1.5, 2.5, 5.0, 9.0])
 
 
 def test_a_machine_that_slows_down_keeps_its_widths_costs_in_proportion():
