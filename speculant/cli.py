@@ -21,6 +21,7 @@ from .errors import SpeculantError
 from .export import export_vllm
 from .limits import MAX_SCHEMA_BYTES
 from .sampling import SamplingParams
+from .tools import kept_costs
 from .tools.layerskip_tune import add_tune_layerskip_parser
 from .tools.loader import load
 from .tools.train import TrainSettings, run_train
@@ -285,9 +286,10 @@ def cmd_generate(args) -> int:
     chat = not args.no_chat_template
     kwargs = dict(max_new_tokens=args.max_new_tokens, seed=args.seed, stop=args.stop, chat_template=chat, **sampling)
     prompt_ids = gen.encode(args.prompt, chat)
-    if args.json:
-        return _generate_json(gen, args.prompt, prompt_ids, kwargs)
-    return _generate_streamed(gen, args, kwargs)
+    kept_costs.restore(gen, args.target, args.drafter)  # what γ auto learnt in the last run here
+    code = _generate_json(gen, args.prompt, prompt_ids, kwargs) if args.json else _generate_streamed(gen, args, kwargs)
+    kept_costs.save(gen, args.target, args.drafter)
+    return code
 
 
 def _check_generate_args(args) -> tuple[dict, object]:

@@ -183,6 +183,19 @@ class VerifyTimes:
             self.speed *= (new / old) ** self.speed_share
         self._points[tokens] = new / self.speed
 
+    def state(self) -> dict:
+        """The widths' times at the machine's speed 1 and that speed, as JSON data."""
+        return {"points": {str(tokens): t for tokens, t in self._points.items()}, "speed": self.speed}
+
+    @staticmethod
+    def read_state(state: dict) -> tuple[dict[int, float], float]:
+        """(points, speed) from ``state()``'s data; ValueError where a time is not one."""
+        points = {int(tokens): float(t) for tokens, t in state["points"].items()}
+        speed = float(state["speed"])
+        if not all(math.isfinite(t) and t >= 0 for t in points.values()) or not (math.isfinite(speed) and speed > 0):
+            raise ValueError("times must be finite and non-negative, the speed positive")
+        return points, speed
+
     SMOOTH_FROM = 32  # tokens per pass above which cost grows smoothly with width (no CPU steps)
 
     def covers(self, tokens: int) -> bool:
@@ -231,6 +244,9 @@ class CostModel:
     engine's first request pays for measuring them. Drafting is timed per batch size (a drafter's
     pass over 64 rows costs more than over one), interpolated like the verify times."""
 
+    TIMES = ("verify", "draft_token", "draft_pass", "draft_asked")  # its VerifyTimes
+    ACCEPTANCE_DECAY = 0.99  # of the acceptance per grade over every row and request
+
     def __init__(self):
         self.verify = VerifyTimes()  # by tokens verified (batch x block width)
         self.draft_token = VerifyTimes()  # seconds per draft token, by batch size (chain drafters)
@@ -244,8 +260,33 @@ class CostModel:
         # tokens a tree pass yields, over every row and request: where a new row's own estimate starts
         self.tree_tokens = TREE_PRIOR_TOKENS
 
+    def state(self) -> dict:
+        """What the model has learnt, as plain JSON data (``restore`` takes it back): a later process
+        on the same machine, model and drafter starts from it instead of timing wide blocks again."""
+        return {"times": {name: getattr(self, name).state() for name in self.TIMES},
+                "retry_extra": self.retry_extra, "tree_tokens": self.tree_tokens,
+                "acceptance": {str(g): {"accepted": a.accepted, "drafted": a.drafted}
+                               for g, a in self.acceptance.items()}}
+
+    def restore(self, state: dict) -> None:
+        """Start from ``state`` (``state()``'s). A value of the wrong kind raises ValueError, TypeError
+        or KeyError (a file from another version: the caller starts fresh) and changes nothing."""
+        times = {name: VerifyTimes.read_state(state["times"][name]) for name in self.TIMES}
+        acceptance = {}
+        for g, counts in state["acceptance"].items():
+            accepted, drafted = [float(x) for x in counts["accepted"]], [float(x) for x in counts["drafted"]]
+            if len(accepted) != len(drafted) or not all(0 <= a <= d for a, d in zip(accepted, drafted)):
+                raise ValueError(f"acceptance of grade {g}: counts out of range")
+            acceptance[int(g)] = RowAlpha(decay=self.ACCEPTANCE_DECAY, accepted=accepted, drafted=drafted)
+        retry_extra, tree_tokens = float(state["retry_extra"]), float(state["tree_tokens"])
+        if not (math.isfinite(retry_extra) and math.isfinite(tree_tokens) and tree_tokens >= 1):
+            raise ValueError("retry and tree yields must be finite")
+        for name, (points, speed) in times.items():
+            getattr(self, name).points, getattr(self, name).speed = points, speed
+        self.acceptance, self.retry_extra, self.tree_tokens = acceptance, max(0.0, retry_extra), tree_tokens
+
     def observe_acceptance(self, grade: int, drafted: int, accepted: int) -> None:
-        self.acceptance.setdefault(grade, RowAlpha(decay=0.99)).observe(drafted, accepted)
+        self.acceptance.setdefault(grade, RowAlpha(decay=self.ACCEPTANCE_DECAY)).observe(drafted, accepted)
 
     def prior(self, grade: int, length: int) -> list[float]:
         """α per position that a row new to drafts of this grade starts from."""

@@ -237,3 +237,35 @@ def test_serve_limits_must_be_positive(folders, capsys):
     for flag in ("--max-body-mib", "--max-request-memory"):
         code, _, err = run_cli(["serve", "--target", folders["target"], flag, "0"], capsys)
         assert code == 2 and flag in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_second_generate_starts_from_the_costs_the_first_kept(folders, capsys, monkeypatch, tmp_path):
+    """γ auto's pass times and acceptance per grade outlive a `speculant generate`: the next run on
+    the same machine, model, kernels and drafter starts from them (no wide blocks verified to time
+    them again); a file it cannot read is ignored and written anew."""
+    from speculant.tools import kept_costs
+
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
+    restored = []
+    original = kept_costs.restore
+
+    def spy(gen, target, drafter):
+        ok = original(gen, target, drafter)
+        restored.append((ok, dict(gen.engine.costs.verify.points)))
+        return ok
+
+    monkeypatch.setattr(kept_costs, "restore", spy)
+    args = ["generate", PROMPT, "--target", folders["target"], "--drafter", "ngram", "--max-new-tokens", "12", "--json"]
+    assert run_cli(args, capsys)[0] == 0
+    kept = list((tmp_path / "costs").glob("*.json"))
+    assert len(kept) == 1 and restored == [(False, {})]
+    learnt = json.loads(kept[0].read_text())["times"]["verify"]["points"]
+    assert len(learnt) >= 2  # a plain pass and wider ones were timed
+    assert run_cli(args, capsys)[0] == 0
+    assert restored[1][0] and len(restored[1][1]) == len(learnt)
+    kept[0].write_text("{not json")
+    assert run_cli(args, capsys)[0] == 0
+    assert not restored[2][0] and json.loads(kept[0].read_text())["times"]["verify"]["points"]
+    other = ["generate", PROMPT, "--target", folders["target"], "--drafter", "suffix", "--max-new-tokens", "4"]
+    assert run_cli(other, capsys)[0] == 0
+    assert len(list((tmp_path / "costs").glob("*.json"))) == 2  # another drafter: costs of its own

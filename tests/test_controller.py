@@ -700,3 +700,34 @@ def test_listed_chains_make_their_tensors_only_when_verified():
     assert listed.tokens.tolist() == [[5, 6, 7, 0], [8, 0, 0, 0]] and listed.lengths.tolist() == [3, 1]
     cut = _cap(ListedChains([[5, 6, 7], [8]], 4, torch.device("cpu")), [1, 1])
     assert cut.tokens.tolist() == [[5], [8]] and cut.lengths.tolist() == [1, 1]
+
+
+def test_a_cost_models_state_comes_back_as_it_was_through_json():
+    """What ``speculant generate`` keeps for its next run (tools/kept_costs.py): the pass times at
+    every width, the machine's running speed, acceptance per grade, the retry and tree yields."""
+    import json
+
+    costs = CostModel()
+    for tokens, seconds in ((1, 1.0), (4, 1.5), (16, 3.0), (1, 1.2)):
+        costs.verify.observe(tokens, seconds)
+    costs.draft_token.observe(1, 0.01)
+    for grade, drafted, accepted in ((1, 3, 0), (2, 4, 3), (2, 4, 4)):
+        costs.observe_acceptance(grade, drafted, accepted)
+    costs.observe_retry(0.3)
+    costs.observe_tree_tokens(3)
+    fresh = CostModel()
+    fresh.restore(json.loads(json.dumps(costs.state())))
+    assert [fresh.verify(k) for k in (1, 2, 4, 9, 16, 20)] == [costs.verify(k) for k in (1, 2, 4, 9, 16, 20)]
+    assert fresh.for_batch(1).seconds(3) == costs.for_batch(1).seconds(3)
+    assert fresh.prior(1, 4) == costs.prior(1, 4) and fresh.prior(2, 4) == costs.prior(2, 4)
+    assert (fresh.retry_extra, fresh.tree_tokens) == (costs.retry_extra, costs.tree_tokens)
+    fresh.observe_acceptance(2, 4, 0)  # and it goes on learning as the one it came from
+    costs.observe_acceptance(2, 4, 0)
+    assert fresh.prior(2, 4) == costs.prior(2, 4)
+    for bad in ({}, {**costs.state(), "retry_extra": "x"},
+                {**costs.state(), "times": {**costs.state()["times"], "verify": {"points": {"1": -1.0}, "speed": 1.0}}},
+                {**costs.state(), "acceptance": {"1": {"accepted": [2.0], "drafted": [1.0]}}}):
+        kept = CostModel()
+        with pytest.raises((ValueError, TypeError, KeyError)):
+            kept.restore(bad)
+        assert kept.verify.points == {} and kept.acceptance == {}  # nothing half taken
