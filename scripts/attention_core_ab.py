@@ -101,14 +101,13 @@ def main() -> None:
     for context in [int(c) for c in a.contexts.split(",")]:
         for bits in (16, 32):
             for cold in (False, True):
+                keys = {name: f"{name} | {context} keys | float{bits} | {'cold' if cold else 'hot'}" for name in builds}
                 for _ in range(a.rounds):
                     for name, binary in builds.items():
                         out = subprocess.run([str(binary), str(context), str(bits), str(int(cold)), str(a.reps)],
                                              capture_output=True, text=True, check=True).stdout
-                        runs.setdefault(f"{name} | {context} keys | float{bits} | {'cold' if cold else 'hot'}",
-                                        []).append(float(out))
-                for name in builds:
-                    key = f"{name} | {context} keys | float{bits} | {'cold' if cold else 'hot'}"
+                        runs.setdefault(keys[name], []).append(float(out))
+                for key in keys.values():
                     print(f"{key:50s} median {statistics.median(runs[key]):.3f} ms  runs {runs[key]}", flush=True)
     if a.out:
         with open(a.out, "w") as f:

@@ -6,7 +6,8 @@ their blocks' and float32 values' bits, attention over chains and trees in float
 float16, a whole decoder layer, the norm, EAGLE-3's drafting call and its tree, greedy acceptance)
 on inputs it makes itself, checks width invariance, and prints a hash of each output. Built for
 each branch, it must print the same lines: the AVX-512 (with and without VNNI; AMX with every q8
-width on its tiles where the CPU has it), AVX2 and plain C++ branches on any x86 CPU, and the ARM
+width on its tiles where the CPU has it), AVX2 (with an Intel CPU's prefetch hints, the others
+with AMD's) and plain C++ branches on any x86 CPU, and the ARM
 NEON branch (with and without the dot-product extension) and plain C++ for
 aarch64, cross-compiled with Debian's g++-aarch64-linux-gnu and run under qemu-user (``apt-get
 install g++-aarch64-linux-gnu qemu-user``; CI installs them, the test skips without).
@@ -25,7 +26,9 @@ COMMON = ["-O2", "-std=c++17", "-ffp-contract=off", f"-I{native.CSRC}"]
 # AMX (Intel Xeon since Sapphire Rapids) with every width of q8 on its tiles
 X86 = {"avx512-vnni-amx": ["-march=sapphirerapids", "-DSPK_Q8_AMX_FROM_ROWS=1"],
        "avx512-vnni": ["-march=x86-64-v4", "-mavx512vnni"], "avx512": ["-march=x86-64-v4"],
-       "avx2": ["-march=x86-64-v3"], "generic": ["-march=x86-64-v3", "-mno-avx2"]}
+       # the AVX2 build with an Intel CPU's prefetches (q8.h, attention.h: SPK_CPU_INTEL), runnable on any x86
+       # machine, so both vendors' branches are built and compared wherever the tests run
+       "avx2": ["-march=x86-64-v3", "-DSPK_CPU_INTEL"], "generic": ["-march=x86-64-v3", "-mno-avx2"]}
 ARM = {"neon-dotprod": ["-march=armv8.2-a+dotprod"], "neon": ["-march=armv8-a"],
        "generic": ["-march=armv8-a", "-DSPK_FORCE_GENERIC"]}
 

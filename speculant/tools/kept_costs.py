@@ -5,7 +5,7 @@
 An engine learns what a verify block of each width costs by verifying some: its first passes time a
 plain one, the widest and half of it. A server does this once; a command run once per process did it
 every time: on a 2-core Xeon the haiku of the README's first command (23 tokens, q8, ``ngram``) spent
-two of its 18 passes verifying 16 and 8 rows (17.6 and 11.3 ms against a plain pass's 6), and judged
+two of its 19 passes verifying 16 and 8 rows (17.6 and 11.3 ms against a plain pass's 6), and judged
 its first drafts by the prior's acceptance (0.6) rather than what such drafts keep. The times are
 relative to the machine's running speed (``VerifyTimes``), so a later run on a busier machine scales
 them with its own first passes. A file that cannot be read, or from another version, is ignored.
@@ -31,8 +31,8 @@ def _file(gen, target: str, drafter: str | None) -> Path:
 
 
 def restore(gen, target: str, drafter: str | None) -> bool:
-    """Start ``gen``'s engine from the costs a run with the same machine, model, kernels and drafter
-    kept; whether there were any."""
+    """Start ``gen``'s engine from the costs a run with the same machine, model, device, kernels and
+    drafter kept; whether there were any."""
     try:
         state = json.loads(_file(gen, target, drafter).read_text())
         gen.engine.costs.restore(state)
