@@ -13,7 +13,7 @@ import sys
 from . import files
 from .api import check_gamma, check_logprobs
 from .bench.cli import add_bench_parser
-from .check import read_prompt_file, run_check
+from .check import own_arithmetic, read_prompt_file, run_check
 from .constrain import check_schema, json_schema_processor
 from .drafters import DRAFTER_HELP, check_spec, validate_drafter_spec
 from .drafters.registry import TRAIN_OPTIONS, TRAINED_KINDS
@@ -458,7 +458,7 @@ def cmd_check(args) -> int:
     prompts = read_prompt_file(args.prompts) if args.prompts else None
     gen = load(args.target, drafter=args.drafter, device=args.device, dtype=args.dtype, path=args.path)
     print(f"checking {args.target} with drafter {gen.drafter.describe()} ({gen.backend.name} path, "
-          f"{str(gen.target.model.dtype).removeprefix('torch.')})", flush=True)
+          f"{own_arithmetic(gen) or str(gen.target.model.dtype).removeprefix('torch.')})", flush=True)
     results = run_check(gen, prompts, samples=args.samples, max_new_tokens=args.max_new_tokens, gamma=args.gamma,
                         seed=args.seed, chat_template=not args.no_chat_template,
                         sampling={"top_p": args.top_p, "top_k": args.top_k})

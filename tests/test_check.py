@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import speculant
-from speculant.check import greedy_check, near_tie_limit, sampling_check
+from speculant.check import DEFAULT_PROMPTS, greedy_check, near_tie_limit, own_arithmetic, reference_logits, sampling_check
 from speculant.cli import main
 from speculant.drafters import ModelDrafter
 from speculant.models import LoadedModel
@@ -90,3 +90,57 @@ def test_where_the_stats_say_bitwise_speculation_must_equal_plain_decoding(monke
     monkeypatch.setattr(gen, "generate_ids", nudged)
     bad = greedy_check(gen, prompts, 12)
     assert not bad.passed and "NOT allowed" in bad.details[0], bad.details
+
+
+@pytest.fixture(scope="module")
+def q8_gen():
+    from speculant.drafters import make_drafter
+    from speculant.models.loading import load_model
+
+    target = load_model("default", device="cpu", dtype="q8")
+    return speculant.Generator(target, make_drafter("ngram", target))
+
+
+def test_q8_text_is_its_own_and_speculation_must_still_equal_plain_q8(q8_gen, monkeypatch):
+    """q8 (int8 activations) is not HF's arithmetic: where plain q8 parts from HF generate is told, not
+    failed (the default target in q8 parts from it on two of the built-in prompts); speculation
+    parting from plain q8 fails as anywhere else."""
+    assert own_arithmetic(q8_gen) == "q8"
+    prompts = [q8_gen.encode(t, True) for t in DEFAULT_PROMPTS]
+    good = greedy_check(q8_gen, prompts, 16)
+    assert good.passed and "not HF's arithmetic" in good.summary and "told, not judged" in good.summary, good.summary
+    real = q8_gen.generate_ids
+
+    def nudged(ids, max_new_tokens=128, speculate=True, **kw):
+        outs = real(ids, max_new_tokens, speculate=speculate, **kw)
+        if speculate:
+            outs[0].token_ids[3] = (outs[0].token_ids[3] + 1) % 100
+        return outs
+
+    monkeypatch.setattr(q8_gen, "generate_ids", nudged)
+    bad = greedy_check(q8_gen, prompts[:1], 16)
+    assert not bad.passed and "NOT allowed" in bad.details[0], bad.details
+
+
+def test_the_sampling_checks_reference_in_q8_is_q8s_own_forward(q8_gen):
+    """Its probabilities come from q8's arithmetic: each row's argmax is plain q8's greedy token at every
+    position, where HF's float32 forward of the same text parts from it on some prompt (so a check
+    against HF's would judge q8's samples against another distribution)."""
+    parted_from_hf = False
+    for text in DEFAULT_PROMPTS:
+        ids = q8_gen.encode(text, True)
+        plain = q8_gen.generate_ids([ids], max_new_tokens=12, speculate=False)[0].token_ids
+        x = torch.tensor([ids + plain])
+        own = reference_logits(q8_gen, x)[0, len(ids) - 1 : -1].argmax(-1).tolist()
+        assert own == plain, (text, own, plain)
+        with torch.no_grad():
+            hf = q8_gen.target.model(x).logits[0, len(ids) - 1 : -1].argmax(-1).tolist()
+        parted_from_hf |= hf != plain
+    assert parted_from_hf
+
+
+def test_cli_check_passes_the_default_target_in_q8(capsys):
+    code = main(["check", "--dtype", "q8", "--drafter", "ngram", "--samples", "64", "--max-new-tokens", "12"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "(fast path, q8)" in out and "PASS  greedy identity" in out and "PASS  sampling distribution" in out, out
