@@ -65,6 +65,23 @@ def test_a_width_dependent_matmul_is_caught_and_fenced_into_a_window():
     assert all(torch.equal(layer(x[:m]), alone[:m]) for m in (1, 3, 5, 16, 33, 70))
 
 
+def test_a_failing_window_is_given_up_within_a_few_rows():
+    """The one-row calls are made as the widths need them, narrowest first: a kernel that changes
+    route past 4 rows fails at 5 after 5 one-row calls and 5 wider ones, not the 130 + 31 calls of
+    every width (a big LM head's checks: most of a first request's time)."""
+    x, calls = torch.randn(130, 8), []
+
+    def counted(t):  # exact row by row up to 4 rows, another route past them
+        calls.append(t.shape[0])
+        return t * 2 if t.shape[0] <= 4 else t * 2 + 1e-3
+
+    assert not invariant.rows_hold(counted, x, Rows(1, 64))
+    assert sorted(calls) == [1] * 5 + [1, 2, 3, 4, 5]
+    calls.clear()
+    assert invariant.rows_hold(counted, x, Rows(8, 64))  # a window that holds: every width, as before
+    assert len(calls) == 130 + sum(1 + (m > 64) + (m > 128) for m in invariant.WIDTHS)
+
+
 def test_a_kernel_that_reads_other_rows_gets_a_call_a_row():
     x, w = invariant._cancelling_inputs(130, 64, 32, torch.float32, "cpu")
     assert invariant.choose_rows(lambda t: (t + 1e-3 * t.sum(0)) @ w.T, x) == Rows(1, 1)

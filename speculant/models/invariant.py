@@ -111,9 +111,16 @@ def _cancelling_inputs(rows: int, in_features: int, out_features: int, dtype, de
 
 
 def rows_hold(fn, x: torch.Tensor, rows: Rows, widths=WIDTHS) -> bool:
-    """Whether ``fn`` within ``rows`` gives every row of every width the bits of a one-row call."""
-    alone = torch.cat([rows(fn, x[i : i + 1]) for i in range(x.shape[0])])
-    return all(torch.equal(rows(fn, x[:m]), alone[:m]) for m in widths if m <= x.shape[0])
+    """Whether ``fn`` within ``rows`` gives every row of every width the bits of a one-row call.
+    Narrowest width first, each row's one-row call made when a width first needs it: a window that
+    fails does so within a few rows, and its one-row calls of 130 rows were most of a first run's
+    checks (a 262k-token LM head: ~85 s of Gemma 3 270M's first request on a 2-core Zen 4)."""
+    alone: list[torch.Tensor] = []
+    for m in sorted(w for w in widths if w <= x.shape[0]):
+        alone += [rows(fn, x[i : i + 1]) for i in range(len(alone), m)]
+        if not torch.equal(rows(fn, x[:m]), torch.cat(alone[:m])):
+            return False
+    return True
 
 
 WINDOWS = tuple(Rows(lo, WINDOW_HIGH) for lo in WINDOW_LOWS)  # candidates, cheapest first
