@@ -1,15 +1,16 @@
 """The CPU attention kernel alone (csrc/core/attention.h, no PyTorch), this tree's beside a git
 revision's (``--base``): a one-token step of the default target's shape (9 query heads over 3 kv
-heads, head dim 64) in each of 30 layers, each layer's keys and values its own, over ``--contexts``
+heads, head dim 64) in each of ``--layers`` layers (30), each layer's keys and values its own, over ``--contexts``
 keys in float16 (q8's cache) and float32 (the other modes'); on 2 threads as the whole-layer calls
 run it (a spinning team, ``core/parallel.h``). Each build is a small C++ program compiled with the
 flags ``native.build`` uses on this machine (its vendor's defines too); the programs alternate run
-by run, each run timing ``--reps`` passes over the 30 layers: hot (the caches as the last pass left
+by run, each run timing ``--reps`` passes over the layers: hot (the caches as the last pass left
 them) and cold (256 MB read between passes). Medians over ``--rounds`` runs of each run's median.
 
-    python scripts/attention_core_ab.py --base REV [--contexts 110,500,1495] [--rounds 7] [--out F.json]
+    python scripts/attention_core_ab.py --base REV [--contexts 110,500,1495] [--rounds 7] [--layers 30] [--out F.json]
 
-Made benchmarks/results/cpu-AMX-2026-11-30-xeon-attention-prefetch/attention-core-ab.json."""
+Made benchmarks/results/cpu-AMX-2026-11-30-xeon-attention-prefetch/attention-core-ab.json and
+.../cpu-AVX512BF16-2026-12-06-zen4-fresh-machine/tried-not-kept/."""
 import argparse
 import json
 import statistics
@@ -32,8 +33,8 @@ PROGRAM = r"""
 using namespace spk;
 
 template <typename C>
-double run(int64_t S, bool cold, int reps) {
-  const int64_t layers = 30, H = 9, Hkv = 3, D = 64, capacity = S + 16;
+double run(int64_t S, bool cold, int reps, int64_t layers) {
+  const int64_t H = 9, Hkv = 3, D = 64, capacity = S + 16;
   std::vector<std::vector<float>> q(layers, std::vector<float>(H * D)), out(layers, std::vector<float>(H * D));
   std::vector<std::vector<C>> k(layers, std::vector<C>(Hkv * capacity * D)), v = k;
   uint64_t seed = 1;
@@ -67,11 +68,11 @@ double run(int64_t S, bool cold, int reps) {
   return ms[ms.size() / 2] + (sink == 42 ? 1e-12 : 0.0);
 }
 
-int main(int argc, char** argv) {  // S, 16 or 32 (the cache's bits), cold (0/1), passes
-  const int64_t S = atoll(argv[1]);
+int main(int argc, char** argv) {  // S, 16 or 32 (the cache's bits), cold (0/1), passes, layers
+  const int64_t S = atoll(argv[1]), layers = atoll(argv[5]);
   const bool cold = atoi(argv[3]);
   const int reps = atoi(argv[4]);
-  printf("%.4f\n", atoi(argv[2]) == 16 ? run<f16>(S, cold, reps) : run<float>(S, cold, reps));
+  printf("%.4f\n", atoi(argv[2]) == 16 ? run<f16>(S, cold, reps, layers) : run<float>(S, cold, reps, layers));
 }
 """
 
@@ -90,7 +91,9 @@ def main() -> None:
     ap.add_argument("--base", required=True, help="a git revision")
     ap.add_argument("--contexts", default="110,500,1495")
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--reps", type=int, default=25, help="passes over the 30 layers a run")
+    ap.add_argument("--reps", type=int, default=25, help="passes over the layers a run")
+    ap.add_argument("--layers", type=int, default=30,
+                    help="layers a pass (1: a layer's cache stays in the cores' L2 when hot, so its compute shows)")
     ap.add_argument("--out")
     a = ap.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="attention-ab-"))
@@ -104,7 +107,7 @@ def main() -> None:
                 keys = {name: f"{name} | {context} keys | float{bits} | {'cold' if cold else 'hot'}" for name in builds}
                 for _ in range(a.rounds):
                     for name, binary in builds.items():
-                        out = subprocess.run([str(binary), str(context), str(bits), str(int(cold)), str(a.reps)],
+                        out = subprocess.run([str(binary), str(context), str(bits), str(int(cold)), str(a.reps), str(a.layers)],
                                              capture_output=True, text=True, check=True).stdout
                         runs.setdefault(keys[name], []).append(float(out))
                 for key in keys.values():
