@@ -222,7 +222,8 @@ def test_our_network_equals_speculators_eagle3_on_a_folder_we_saved(tmp_path):
     target = AutoModelForCausalLM.from_pretrained(target_dir).float()
     folder = _random_eagle_folder(tmp_path, target, draft_vocab=48, verifier=str(target_dir))
     cfg = json.loads((folder / "config.json").read_text())
-    cfg["transformer_layer_config"]["_attn_implementation"] = "sdpa"  # not flex attention (a GPU kernel)
+    # not flex attention (a GPU kernel); the public key: transformers 5.25 ignores "_attn_implementation" in a saved config
+    cfg["transformer_layer_config"]["attn_implementation"] = "sdpa"
     (folder / "config.json").write_text(json.dumps(cfg))
     theirs = _speculators_model(folder)
     with torch.no_grad():
