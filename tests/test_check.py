@@ -95,10 +95,11 @@ def test_where_the_stats_say_bitwise_speculation_must_equal_plain_decoding(monke
 @pytest.fixture(scope="module")
 def q8_gen():
     from speculant.drafters import make_drafter
-    from speculant.models.loading import load_model
+    from speculant.models.loading import forget_loaded, load_model
 
     target = load_model("default", device="cpu", dtype="q8")
-    return speculant.Generator(target, make_drafter("ngram", target))
+    yield speculant.Generator(target, make_drafter("ngram", target))
+    forget_loaded(target)  # the process's memo of loaded models gives it to no later test
 
 
 def test_q8_text_is_its_own_and_speculation_must_still_equal_plain_q8(q8_gen, monkeypatch):

@@ -309,6 +309,9 @@ def test_q8_needs_a_gguf_on_the_cpu(tmp_path):
 
 
 def test_q8_needs_the_compiled_kernels(monkeypatch):
+    from speculant.models import loading
+
+    monkeypatch.setattr(loading, "_LOADED", {})  # a q8 model an earlier test loaded is not handed back
     monkeypatch.setattr(quantized, "kernels", lambda: None)
     with pytest.raises(SpeculantError, match="needs the compiled CPU kernels"):
         load_model("default", device="cpu", dtype="q8")
