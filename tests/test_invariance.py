@@ -82,6 +82,21 @@ def test_a_failing_window_is_given_up_within_a_few_rows():
     assert len(calls) == 130 + sum(1 + (m > 64) + (m > 128) for m in invariant.WIDTHS)
 
 
+def test_one_changed_row_inside_a_wide_block_fails_the_window():
+    """Rows are compared one by one where they lie: a route that changes only row 2 of blocks wider
+    than 8 is seen, and the other rows' equality does not hide it."""
+    x = torch.randn(130, 8)
+
+    def fn(t):
+        out = t * 2
+        if t.shape[0] > 8:
+            out[2] += 1e-3
+        return out
+
+    assert not invariant.rows_hold(fn, x, Rows(1, 64))
+    assert invariant.rows_hold(fn, x, Rows(1, 8), widths=(1, 2, 8, 16, 130))  # calls of <= 8 rows hold
+
+
 def test_a_kernel_that_reads_other_rows_gets_a_call_a_row():
     x, w = invariant._cancelling_inputs(130, 64, 32, torch.float32, "cpu")
     assert invariant.choose_rows(lambda t: (t + 1e-3 * t.sum(0)) @ w.T, x) == Rows(1, 1)
