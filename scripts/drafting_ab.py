@@ -5,7 +5,9 @@ drafting / the rest of a pass in ms.
     python scripts/drafting_ab.py --dtype q8 --methods "none;eagle@2;eagle@2:tree;ngram@auto" \
         [--per-category 1] [--repeats 2] [--tokens 64] [--out ab.json]
 
-A method is DRAFTER[@GAMMA][:tree][:float32-head][:trees-only][:charged-lookup][:base|:base-controller]; ``:tree`` drafts an EAGLE
+A method is DRAFTER[@GAMMA][:tree][:head-bitsN][:float32-head][:trees-only][:charged-lookup][:base|:base-controller];
+``:head-bitsN`` rounds a drafter's network on the int8 kernels to N bits a weight (``quantized.DRAFT_BITS``,
+4 or 8) instead of the default (4 since 2026-12-06); ``:tree`` drafts an EAGLE
 head's tree in PyTorch calls where it would otherwise draft its chain in one kernel call (beside a
 target on the CPU kernels); ``:float32-head`` builds the drafter as ``SPECULANT_CPU_KERNELS=onednn``
 would (beside a float32 target: its network in float32, not on the int8 kernels), the target as the
@@ -21,11 +23,13 @@ controls and cost model swapped in for the method's calls) on this tree's kernel
 Made benchmarks/results/cpu-AVX512BF16-2026-11-27-eagle-chain/, .../cpu-AVX512BF16-2026-11-27-lighter-passes/,
 .../cpu-AVX512BF16-2026-11-27-one-region/, .../cpu-AVX2-2026-11-28-zen3-float32-drafts/,
 .../cpu-AVX512BF16-2026-11-29-zen4-gamma-auto/, .../cpu-AVX512BF16-2026-11-29-zen4-chain-in-kernel/,
-.../cpu-AVX512BF16-2026-11-29-zen4-gamma-auto-all-prompts/ and .../cpu-AVX512BF16-2026-11-29-zen4-wider-q8-tiles/."""
+.../cpu-AVX512BF16-2026-11-29-zen4-gamma-auto-all-prompts/, .../cpu-AVX512BF16-2026-11-29-zen4-wider-q8-tiles/ and
+.../cpu-AVX512BF16-2026-12-06-zen4-head-bits/."""
 import argparse
 import collections
 import os
 import random
+import re
 import time
 from unittest import mock
 
@@ -34,7 +38,7 @@ from ab_common import Kernels, controller_at, dump_side_by_side
 from speculant import controller, engine
 from speculant.bench.prompts import read_prompts
 from speculant.drafters import make_drafter
-from speculant.models import cpu_kernels
+from speculant.models import cpu_kernels, quantized
 
 
 CONTROLS = ("ChainGamma", "CostModel", "FixedGamma", "HybridGamma", "TreeGamma")  # what engine.py takes of controller.py
@@ -81,9 +85,12 @@ def main() -> None:
         use(m)  # a method's model binds its layers in the module it will run on
         spec, trees_only = (spec[: -len(":trees-only")], True) if spec.endswith(":trees-only") else (spec, False)
         spec, float32_head = (spec[: -len(":float32-head")], True) if spec.endswith(":float32-head") else (spec, False)
+        head_bits = re.search(r":head-bits(\d+)$", spec)
+        spec, head_bits = (spec[: head_bits.start()], int(head_bits[1])) if head_bits else (spec, quantized.DRAFT_BITS)
         spec, tree = (spec[:-5], True) if spec.endswith(":tree") else (spec, False)
         drafter, _, gamma = spec.partition("@")
-        gen = speculant.load("default", drafter=drafter, dtype=a.dtype)
+        with mock.patch.object(quantized, "DRAFT_BITS", head_bits):
+            gen = speculant.load("default", drafter=drafter, dtype=a.dtype)
         if base_control[m]:
             gen.engine.costs = base_controller.CostModel()
         if float32_head:

@@ -213,8 +213,9 @@ def _speculators_model(cfg_dict_or_folder):
     return model.float().eval()
 
 
-def test_our_network_equals_speculators_eagle3_on_a_folder_we_saved(tmp_path):
-    """speculators loads our folder; its training-time-test forward (teacher forcing) drafts what ours does."""
+def test_our_network_equals_speculators_eagle3_on_a_folder_we_saved(tmp_path, float32_drafts):
+    """speculators loads our folder; its training-time-test forward (teacher forcing) drafts what ours does
+    (both in float32: beside a target on the kernel core ours would run on the int8 kernels)."""
     pytest.importorskip("speculators.models.eagle3")
     target_dir = save_tiny_folder(tmp_path / "target", seed=0)
     from transformers import AutoModelForCausalLM

@@ -220,9 +220,10 @@ def test_every_layout_drafts_losslessly(checkpoint, arch):
     assert sum(o.stats["accepted_draft_tokens"] for o in outs) > 0
 
 
-def test_a_folder_speculators_converter_wrote_drafts_what_the_checkpoint_does(checkpoint, tmp_path):
+def test_a_folder_speculators_converter_wrote_drafts_what_the_checkpoint_does(checkpoint, tmp_path, float32_drafts):
     """speculators.convert.mtp extracts a Qwen3-Next-layout checkpoint's MTP layer into a
-    speculators folder: ``mtp:DIR`` drafts exactly what ``mtp`` (the checkpoint's own) drafts."""
+    speculators folder: ``mtp:DIR`` drafts exactly what ``mtp`` (the checkpoint's own) drafts, both
+    in float32 (a folder's network beside a target on the kernel core would run on the int8 kernels)."""
     converter = pytest.importorskip("speculators.convert.mtp.converter")
     folder, _ = checkpoint("qwen3_next")
     converter.MTPConverter().convert(str(folder), str(tmp_path / "converted"), base_model=str(folder),

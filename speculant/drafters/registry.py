@@ -288,12 +288,13 @@ def shipped_drafter(target: LoadedModel) -> str | None:
 def default_drafter(target: LoadedModel) -> str:
     """The drafter a target gets when none is named: the trained one shipped for it (it ships only
     where it measured faster than the model-free ones), else ngram. Beside GGUF weights on the CPU
-    (``dtype="q8"`` or ``"quantized"``) it is ngram too: a target pass there (~3.3 ms in q8) is too
-    cheap for the head's drafting steps (~3 ms a drafting pass), so the head loses (0.93× plain q8
-    on the bench: cpu-AVX512BF16-2026-11-27-q8-half-scales/bench) where prompt lookup, its drafts
-    graded by the n-gram they matched, gains in every category (1.14× overall, 1.03-1.07× on chat,
-    math, code and QA, 1.22-1.36× on translation, RAG and agentic prompts: benchmarks/results/
-    cpu-AVX512BF16-2026-11-27-ngram-grades/bench)."""
+    (``dtype="q8"`` or ``"quantized"``) it is ngram too: a target pass there (~3-4 ms in q8 on a
+    2-core Zen 4) is cheap beside the head's proposal (~0.5 ms in its kernel call, ~0.2 more of
+    Python, and the cache it takes from the target's next pass), so at the head's τ (~1.75 at γ 2)
+    ``eagle+ngram`` gains less than prompt lookup alone, its drafts graded by the n-gram they
+    matched: on all 167 bench prompts 1.04-1.05× plain q8 against ngram's 1.07× side by side
+    (benchmarks/results/cpu-AVX512BF16-2026-12-06-zen4-head-bits/; ngram 1.10× and no category
+    below 0.99× in .../cpu-AVX512BF16-2026-12-06-zen4-fresh-machine/)."""
     shipped = shipped_drafter(target)
     if shipped is None or quantized.weights_of(target.model):
         return "ngram"

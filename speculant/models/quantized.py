@@ -255,9 +255,11 @@ def drafts_on_kernels(target: torch.nn.Module) -> bool:
     return (bool(weights_of(target)) and kernels() is not None) or on_kernel_core(target)
 
 
-# a drafter's weights on the kernels (``kernel_linears``); 4 drafted an EAGLE step ~10 % faster
-# beside q8 at a slightly lower τ (benchmarks/results/cpu-AVX512BF16-2026-11-27-eagle-chain/)
-DRAFT_BITS = 8
+# a drafter's weights on the kernels (``kernel_linears``): at 4 bits the EAGLE head drafts ~0.2 ms a
+# pass faster than at 8 (half the bytes read cold after the target's pass) at a chain τ 0.03 lower,
+# eagle@2 +2.6-2.9 % and eagle+ngram +0.6-1.5 % beside q8 on all 167 bench prompts, level beside
+# float32 (benchmarks/results/cpu-AVX512BF16-2026-12-06-zen4-head-bits/)
+DRAFT_BITS = 4
 
 
 def kernel_linears(module: torch.nn.Module) -> torch.nn.Module:
