@@ -237,6 +237,26 @@ def test_a_folder_speculators_converter_wrote_drafts_what_the_checkpoint_does(ch
     assert out.token_ids == hf_greedy(target, text, 16) and out.stats["accepted_draft_tokens"] > 0
 
 
+def test_own_mtp_layers_run_on_the_int8_kernels_where_a_folders_network_would(checkpoint, monkeypatch):
+    """Beside a target on the kernel core the checkpoint's own MTP layers get the int8 kernels, as
+    a speculators folder's network does (``trained.format.load_network``); SPECULANT_CPU_KERNELS=onednn
+    keeps them float32. Plain decoding's text either way."""
+    from speculant.models import cpu_kernels, quantized
+
+    folder, _ = checkpoint("qwen3_next")
+    loaded = load_model(str(folder))
+    if not quantized.drafts_on_kernels(loaded.model):
+        pytest.skip("no CPU kernels built here")
+    linears = lambda d: [m for m in d.net.modules() if isinstance(m, torch.nn.Linear)]
+    on_kernels = make_drafter("mtp", loaded)
+    assert linears(on_kernels) and all(isinstance(vars(m).get("forward"), quantized.QuantLinear) for m in linears(on_kernels))
+    plain = [o.token_ids for o in speculant.generate(loaded.model, _prompts(), drafter="none", max_new_tokens=16)]
+    outs = speculant.generate(loaded.model, _prompts(), drafter=on_kernels, gamma=3, max_new_tokens=16)
+    assert [o.token_ids for o in outs] == plain and sum(o.stats["accepted_draft_tokens"] for o in outs) > 0
+    monkeypatch.setenv(cpu_kernels.ENV, "onednn")
+    assert not any("forward" in vars(m) for m in linears(make_drafter("mtp", loaded)))
+
+
 def _random_mtp_folder(tmp_path, target, verifier="tiny", name="mtp"):
     cfg = mtp_config(target, verifier, 3)
     torch.manual_seed(0)
