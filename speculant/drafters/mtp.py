@@ -23,11 +23,10 @@ from pathlib import Path
 import torch
 
 from ..errors import SpeculantError
-from ..models import quantized
 from ..models.fast import cat_rows
 from ..sampling import TokenHistory
 from ..trained import mtp as trained
-from ..trained.format import load_network
+from ..trained.format import load_network, placed
 from ..trained.mtp import MTPNet, _SlotCache, native_net
 from .base import DraftContext, Drafter, Proposal, seconds_since
 from .model import fit_vocab
@@ -59,10 +58,8 @@ def own_mtp(b: Build) -> "MTPDrafter":
         raise SpeculantError(f"{name} has no MTP layers in its checkpoint (DeepSeek-V3/R1, GLM-4.5, MiMo and "
                              "Qwen3-Next keep theirs there): train one with `speculant train --kind mtp --target ... "
                              "--out DIR` and use --drafter mtp:DIR")
-    if quantized.drafts_on_kernels(model):  # its linears on the CPU kernels, as a folder's network's
-        net = quantized.kernel_linears(net.float())
-    elif b.dtype is not None and b.dtype != net.dtype and isinstance(b.dtype, torch.dtype):
-        net = net.to(b.dtype)
+    # as a folder's network: on the CPU kernels beside a target on them, else in the asked dtype
+    net = placed(net, model, b.dtype if isinstance(b.dtype, torch.dtype) else None)
     return MTPDrafter(net, model, label="")
 
 

@@ -128,6 +128,12 @@ def load_network(folder, target: torch.nn.Module, target_name: str, build, what:
     if missing or unexpected:
         raise SpeculantError(f"drafter '{folder}' does not match {what}: missing {missing[:3]}, "
                              f"unexpected {unexpected[:3]}")
+    return placed(net, target, dtype)
+
+
+def placed(net: torch.nn.Module, target: torch.nn.Module, dtype=None) -> torch.nn.Module:
+    """A drafter's network on the target's device in its dtype (or ``dtype``), for inference; beside
+    a target on the CPU kernels in float32 with its linears on them (``quantized.kernel_linears``)."""
     p = next(target.parameters())
     if quantized.drafts_on_kernels(target):  # its linears on the CPU kernels, as the target's
         return quantized.kernel_linears(net.to(device=p.device, dtype=torch.float32).eval())
