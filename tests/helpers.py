@@ -203,3 +203,95 @@ def assert_openai_error(r: httpx.Response, status: int, names: str | None = None
     if names:
         assert names in message or names in (err["param"] or ""), err
     return err
+
+
+def _byte_alphabet() -> list[str]:
+    """GPT-2's byte-level alphabet: a printable character for each of the 256 bytes."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, n = keep[:], 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return [chr(c) for c in chars]
+
+
+def write_tiny_gguf(path, types: dict | str = "Q8_0", arch: str = "llama", seed: int = 0, hidden: int = 256,
+                    layers: int = 2, inner: int = 512, heads: int = 4, kv_heads: int = 2, tied: bool = False,
+                    bias: bool = False):
+    """A tiny causal LM's GGUF as llama.cpp writes one (gguf's writer): a byte-level BPE tokenizer (the 256
+    byte tokens and <|endoftext|>, no merges), random weights in the GGML ``types`` given by tensor part
+    ("attn_q", ..., "ffn_down", "token_embd", "output"; a str: all of them). Types gguf can quantize are
+    random float weights quantized; the others (K-quants, IQ4_XS) random blocks of that type."""
+    import gguf
+    import numpy as np
+    from gguf.constants import GGMLQuantizationType as T
+
+    from speculant.models.quantized import random_gguf_blocks
+
+    parts = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "token_embd", "output")
+    types = {p: types for p in parts} if isinstance(types, str) else {p: "Q8_0" for p in parts} | types
+    tokens = _byte_alphabet() + ["<|endoftext|>"]
+    vocab, head_dim = len(tokens), hidden // heads
+    g = torch.Generator().manual_seed(seed)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(512)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(inner)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(vocab)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (vocab - 1) + [3])
+    w.add_token_scores([0.0] * vocab)
+    w.add_token_merges([])
+    w.add_bos_token_id(vocab - 1)
+    w.add_eos_token_id(vocab - 1)
+
+    def weight(name: str, part: str, rows: int, cols: int):
+        kind = types[part]
+        if kind in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
+            values = (torch.randn(rows, cols, generator=g) * 0.08).numpy()
+            if kind == "F32":
+                w.add_tensor(name, values)
+                return
+            if kind == "F16":
+                w.add_tensor(name, values.astype(np.float16))
+                return
+            data = gguf.quants.quantize(values, T[kind])
+        else:
+            # scales below 2^-12: weights of a few hundredths, as a trained model's (larger ones saturate
+            # the attention's softmax, where any rounding flips a row)
+            data = random_gguf_blocks(kind, rows, cols, g, scale_bits=0x0C00)
+            if kind == "Q6_K":  # its int8 sub-block scales 1..31, as a trained model's are: not ±127 apart
+                blocks = data.reshape(-1, 210)
+                blocks[:, 192:208] = torch.randint(1, 32, (len(blocks), 16), generator=g, dtype=torch.uint8).numpy()
+        w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=T[kind])
+
+    def floats(name: str, n: int, around: float = 1.0):
+        w.add_tensor(name, (around + 0.1 * torch.randn(n, generator=g)).numpy().astype(np.float32))
+
+    weight("token_embd.weight", "token_embd", vocab, hidden)
+    for i in range(layers):
+        floats(f"blk.{i}.attn_norm.weight", hidden)
+        floats(f"blk.{i}.ffn_norm.weight", hidden)
+        for part, rows, cols in (("attn_q", heads * head_dim, hidden), ("attn_k", kv_heads * head_dim, hidden),
+                                 ("attn_v", kv_heads * head_dim, hidden), ("attn_output", hidden, heads * head_dim),
+                                 ("ffn_gate", inner, hidden), ("ffn_up", inner, hidden), ("ffn_down", hidden, inner)):
+            weight(f"blk.{i}.{part}.weight", part, rows, cols)
+            if bias and part in ("attn_q", "attn_k", "attn_v"):
+                floats(f"blk.{i}.{part}.bias", rows, 0.0)
+    floats("output_norm.weight", hidden)
+    if not tied:
+        weight("output.weight", "output", vocab, hidden)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

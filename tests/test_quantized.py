@@ -436,45 +436,57 @@ def test_default_quantized_speculative_equals_plain(quantized_default, drafter, 
         assert spec.generate_ids([ids[0]], max_new_tokens=32)[0].stats["accepted_draft_tokens"] > 0
 
 
-def test_a_killed_builds_lock_is_cleared_and_a_live_ones_kept(tmp_path, capsys):
-    """PyTorch's build lock outlives a build killed midway, and the next build would wait forever."""
-    import os
+def test_a_killed_builds_lock_is_taken_over_at_once(tmp_path):
+    """PyTorch's build lock outlives a build killed midway, and its next build would wait on it forever:
+    here the build lock is an flock, which a killed process lets go of, and PyTorch's lock found under
+    it is removed at once (a killed build's: every build takes the flock first)."""
+    import subprocess
+    import sys
     import time
 
     from speculant.models import native
 
-    lock, log = tmp_path / "lock", tmp_path / ".ninja_log"
-    lock.touch()
-    log.touch()
-    old = time.time() - native.STALE_LOCK_S - 5
-    os.utime(lock, (old, old))
-    native._clear_stale_lock(tmp_path)
-    assert lock.exists()  # an old lock, but the build is still writing files: under way
-    os.utime(log, (old, old))
-    native._clear_stale_lock(tmp_path)
-    assert not lock.exists() and "stale build lock" in capsys.readouterr().err
-    native._clear_stale_lock(tmp_path)  # none: nothing to do
+    folder = tmp_path / "py311_cpu" / "mod"
+    folder.mkdir(parents=True)
+    (folder / "lock").touch()  # left by a build killed a moment ago
+    said = []
+    t0 = time.monotonic()
+    with native.build_lock(tmp_path, "mod", said.append):
+        assert not (folder / "lock").exists()
+    assert time.monotonic() - t0 < 1 and any("killed build" in s for s in said)
+    # a process killed while holding the lock: the next takes it over at once
+    code = (f"import sys, time; sys.path.insert(0, {str(native.CSRC.parents[2])!r}); from speculant.models import native; "
+            f"from pathlib import Path; c = native.build_lock(Path({str(tmp_path)!r}), 'mod'); c.__enter__(); "
+            "print('held', flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    holder.kill()
+    holder.wait()
+    t0 = time.monotonic()
+    with native.build_lock(tmp_path, "mod", said.append):
+        pass
+    assert time.monotonic() - t0 < 1
 
 
-def test_a_build_waits_for_another_builds_lock_and_says_so(tmp_path, capsys):
-    """A fresh lock (another process building, or one killed a moment ago): waited for with a line,
-    not forever in silence; a stale one goes at once."""
-    import os
+def test_a_build_waits_for_another_live_build_and_says_so(tmp_path):
     import threading
     import time
 
     from speculant.models import native
 
-    lock = tmp_path / "lock"
-    lock.touch()
-    threading.Timer(0.3, lock.unlink).start()  # the other build finishes
-    native._await_other_build(tmp_path, poll_s=0.05)
-    assert not lock.exists() and "waiting for another build" in capsys.readouterr().err
-    lock.touch()
-    old = time.time() - native.STALE_LOCK_S - 5
-    os.utime(lock, (old, old))
-    native._await_other_build(tmp_path, poll_s=0.05)  # quiet for longer than a build takes: removed, no wait
-    assert not lock.exists() and "stale build lock" in capsys.readouterr().err
+    said, entered = [], threading.Event()
+
+    def other():
+        with native.build_lock(tmp_path, "mod", said.append):
+            entered.set()
+            time.sleep(0.4)
+
+    threading.Thread(target=other).start()
+    entered.wait()
+    t0 = time.monotonic()
+    with native.build_lock(tmp_path, "mod", said.append):
+        waited = time.monotonic() - t0
+    assert waited > 0.2 and any("waiting for another process's build" in s for s in said)
 
 
 @needs_kernel

@@ -73,7 +73,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         description="Spec-Bench-style benchmark: HF generate, HF assisted generation and speculant on the same "
                     "prompts in one process; writes JSON, CSV, a markdown table and plots.")
     b.add_argument("--target", default="default", help="'default', a model folder, or a .gguf file")
-    b.add_argument("--drafters", type=_drafter_list, default=["ngram"],
+    b.add_argument("--drafters", "--drafter", type=_drafter_list, default=["ngram"],
                    help=f"comma list of drafters ({DRAFTER_HELP}); HF generate and speculant none always run")
     b.add_argument("--gamma", type=_list("--gamma", _gamma), default=[AUTO],
                    help="γ values, e.g. 1,2,4,8,auto (auto = the adaptive controller, chosen each pass); several = a γ sweep")
@@ -90,14 +90,16 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--warmup", type=int, default=1, help="untimed warm-up calls per method and setting (default 1)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
-    b.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 | quantized | q8 | auto (default: float32 on CPU, "
-                   "bfloat16 on GPU)")
+    b.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 | quantized | q8 | auto (default on a "
+                   "CPU: q8 for a .gguf the int8 kernels read directly, else float32; bfloat16 on GPU)")
     b.add_argument("--path", default="auto", choices=["auto", "fast", "general"],
                    help="speculant's forward: auto (fast where the architecture has one), fast (static cache; "
                         "layerskip then shares the target's cache), general")
-    b.add_argument("--peers", default="auto", help="other runtimes on the same .gguf, side by side, greedy: auto "
-                   "(those installed: llama.cpp via llama-cpp-python, openvino via openvino-genai; none unless the "
-                   "target is a .gguf on the CPU) | none | a comma list")
+    b.add_argument("--peers", nargs="?", const="auto", default="auto",
+                   help="other runtimes on the same .gguf, side by side, greedy: auto (those installed: llama.cpp via "
+                   "llama-cpp-python, openvino via openvino-genai, llama.cpp-draft: llama.cpp's own draft-model "
+                   "speculation with the model: drafter, where its llama-speculative-simple is found; none unless "
+                   "the target is a .gguf on the CPU) | none | a comma list")
     b.add_argument("--no-chat-template", action="store_true", help="feed prompts as raw text (base models)")
     b.add_argument("--out", default=None, help="results folder (default: bench-out/<machine>-<date>)")
     b.add_argument("--quick", action="store_true",
@@ -107,21 +109,26 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     return b
 
 
-def _peers(value: str, target: str, device: str | None) -> list[str]:
-    """--peers: auto = the installed ones where they apply (a .gguf target on the CPU), else a list."""
+def _peers(value: str, target: str, device: str | None, drafters: list[str] = ()) -> list[str]:
+    """--peers: auto = the installed ones where they apply (a .gguf target on the CPU; llama.cpp's draft-model
+    speculation with a model:FILE.gguf drafter), else a list."""
     if value == "none":
         return []
     if value == "auto":
         on_cpu = resolve_device(device).type == "cpu"
-        return peers.installed() if on_cpu and resolve_model_path(target).is_file() else []
+        drafting = any(d.startswith("model:") and d.endswith(".gguf") for d in drafters)
+        found = [p for p in peers.installed() if p != "llama.cpp-draft" or drafting]
+        return found if on_cpu and resolve_model_path(target).is_file() else []
     names = [v.strip() for v in value.split(",") if v.strip()]
     unknown = [n for n in names if n not in peers.PEERS]
     if unknown:
         raise SpeculantError(f"unknown peer {unknown[0]!r}: use auto, none or a comma list of {', '.join(peers.PEERS)}")
     missing = [n for n in names if n not in peers.installed()]
     if missing:
-        raise SpeculantError(f"peer {missing[0]!r} is not installed: pip install "
-                             f"{'llama-cpp-python' if missing[0] == 'llama.cpp' else 'openvino-genai'}, or --peers none")
+        how = {"llama.cpp": "pip install llama-cpp-python", "openvino": "pip install openvino-genai",
+               "llama.cpp-draft": f"build llama.cpp's llama-speculative-simple (docs/benchmarks.md) and put it on the "
+                                  f"PATH or in ${peers.SPECULATIVE_ENV}"}[missing[0]]
+        raise SpeculantError(f"peer {missing[0]!r} is not installed: {how}, or --peers none")
     return names
 
 
@@ -143,13 +150,14 @@ def cmd_bench(args) -> int:
         temperatures=list(dict.fromkeys(args.temperature)), batch_sizes=list(dict.fromkeys(args.batch_size)),
         max_new_tokens=max_new, repeats=repeats, warmup=args.warmup, seed=args.seed,
         device=args.device, dtype=args.dtype, path=args.path, chat_template=not args.no_chat_template,
-        peers=_peers(args.peers, args.target, args.device))
+        peers=_peers(args.peers, args.target, args.device, args.drafters))
     plan(config)  # bad drafter specs fail before any model is loaded
     if args.out:
         check_writable(args.out)  # before minutes of generation, not when the results are written
 
     runner = MethodRunner(config.target, config.drafters, config.device, config.dtype,
                           chat_template=config.chat_template, path=config.path, peers=config.peers)
+    config.hf = runner.hf
     machine = machine_info(runner.device)
     out_dir = Path(args.out) if args.out else Path("bench-out") / (
         f"{_slug(device_label(machine))}-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -11,6 +11,7 @@ import resource
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -19,6 +20,7 @@ from ..drafters import check_spec, make_drafter, parse_spec
 from ..drafters.base import sync
 from ..drafters.model import load_draft
 from ..errors import SpeculantError
+from ..models import gguf_model
 from ..models.loading import resolve_device, resolve_model_path
 from ..tools.loader import load
 from . import peers as peer_runtimes
@@ -49,16 +51,16 @@ class Method:
         return self.drafter != "none"
 
 
-def methods_for(drafters: list[str], peers: list[str] = ()) -> list[Method]:
-    """HF generate and speculant none always; per drafter: speculant, and HF assisted generation where
-    Hugging Face has the same drafter (prompt lookup for ngram, assistant_model for model:PATH);
-    then each peer runtime's modes (bench/peers.py)."""
-    out = [Method(HF_GENERATE, "hf", "none"), Method(SPECULANT_NONE, "speculant", "none")]
+def methods_for(drafters: list[str], peers: list[str] = (), hf: bool = True) -> list[Method]:
+    """HF generate and speculant none always (HF's only with ``hf``: a target with a dense model); per
+    drafter: speculant, and HF assisted generation where Hugging Face has the same drafter (prompt
+    lookup for ngram, assistant_model for model:PATH); then each peer runtime's modes (bench/peers.py)."""
+    out = ([Method(HF_GENERATE, "hf", "none")] if hf else []) + [Method(SPECULANT_NONE, "speculant", "none")]
     for d in drafters:
         spec = check_spec(d)
         if spec.kind == "none":
             continue
-        if spec.text == "ngram" or spec.kind == "model":
+        if hf and (spec.text == "ngram" or spec.kind == "model"):
             out.append(Method(f"hf assisted {d}", "hf_assisted", d))
         out.append(Method(f"speculant {d}", "speculant", d))
     return out + [Method(name, "peer", "none") for name in peer_runtimes.method_names(list(peers))]
@@ -145,9 +147,15 @@ class MethodRunner:
     def __init__(self, target: str = "default", drafters: list[str] = (), device=None, dtype=None,
                  chat_template: bool = True, path: str = "auto", peers: list[str] = ()):
         if dtype is None and resolve_device(device).type == "cpu":
-            dtype = "float32"  # comparable across machines; "auto" picks the fastest exact dtype here
+            # comparable across machines ("auto" picks the fastest exact dtype here); a GGUF the int8
+            # kernels read directly runs on them (a float32 copy of a 1.5B model is 7 GB)
+            target_path = resolve_model_path(target)
+            dtype = "q8" if target_path.is_file() and gguf_model.reads_directly(target_path) else "float32"
         base = load(target, drafter="none", device=device, dtype=dtype, path=path)
         self.target = base.target
+        # Hugging Face's generate and assisted generation need the dense model a GGUF read straight into
+        # the kernels does not have: plain decoding is then the baseline (and the greedy reference)
+        self.hf = not gguf_model.is_direct(self.target.model)
         self.device = self.target.device
         self.chat_template = chat_template
         self.generators: dict[str, Generator] = {"none": base}
@@ -163,7 +171,7 @@ class MethodRunner:
                 drafter.forget_same_prompt = True
             self.generators[d] = Generator(self.target, drafter, path=path)
             spec = parse_spec(d)
-            if spec.kind == "model":
+            if spec.kind == "model" and self.hf:
                 # make_drafter's load is memoised: this is the very model speculant drafts with
                 loaded = load_draft(spec.arg, self.target)
                 self.assistants[d] = loaded.model
@@ -176,7 +184,14 @@ class MethodRunner:
                 raise SpeculantError("--peers runs other runtimes on the target's .gguf file on the CPU: give a "
                                      ".gguf target (or 'default') and --device cpu, or --peers none")
             context = self.target.context_length
-            self.peers = {name: peer_runtimes.load(name, gguf, context) for name in peer_runtimes.method_names(peers)}
+            drafts = [parse_spec(d).arg for d in drafters if parse_spec(d).kind == "model"]
+            draft = next((Path(a) for a in drafts if resolve_model_path(a).is_file()), None)
+            names = peer_runtimes.method_names(peers)
+            if "llama.cpp draft model" in names and draft is None:
+                raise SpeculantError("the llama.cpp-draft peer runs llama.cpp's draft-model speculation with the bench's "
+                                     "model:FILE.gguf drafter: give one in --drafters, or leave the peer out")
+            self.peers = {name: peer_runtimes.load(name, gguf, context, resolve_model_path(str(draft)) if draft else None,
+                                                   self.target.tokenizer) for name in names}
         tok = self.target.tokenizer
         eos = self.target.eos_token_ids
         self.eos = eos
@@ -239,9 +254,14 @@ class MethodRunner:
     def _peer(self, method, setting, ids, max_new_tokens, seed):
         if len(ids) > 1 or setting.temperature > 0:
             raise SpeculantError(f"{method.name} runs greedy at batch size 1 only in a bench")
-        out = self.peers[method.name].generate(ids[0], max_new_tokens, self.eos)
-        return [{"token_ids": out, "new_tokens": len(out), "target_forward_passes": None, "draft_tokens": None,
-                 "accepted_draft_tokens": None, "acceptance_by_position": None}], {}
+        peer = self.peers[method.name]
+        out = peer.generate(ids[0], max_new_tokens, self.eos)
+        stats = getattr(peer, "stats", {})
+        row = {"token_ids": out, "new_tokens": len(out), "target_forward_passes": None,
+               "draft_tokens": stats.get("drafted"), "accepted_draft_tokens": stats.get("accepted"),
+               "acceptance_by_position": None}
+        # a peer that runs as a process a prompt reports its own times (its models' loading not counted)
+        return [row], ({"seconds": peer.seconds} if getattr(peer, "seconds", None) is not None else {})
 
     def _hf(self, method, setting, ids, max_new_tokens, seed):
         model = self.target.model

@@ -23,6 +23,7 @@ class BenchConfig:
     path: str = "auto"  # speculant's forward: auto | fast | general
     chat_template: bool = True
     peers: list[str] = field(default_factory=list)  # other runtimes on the same GGUF (bench/peers.py)
+    hf: bool = True  # HF generate and assisted generation run (not on a GGUF read straight into the kernels)
 
     @property
     def primary(self) -> Setting:
@@ -37,7 +38,7 @@ def plan(config: BenchConfig) -> list[tuple[Method, Setting]]:
     drafters; the temperature and batch sweeps the two baselines and speculant drafters (HF assisted
     generation and peer runtimes are batch 1 only, and compared where it matters, in the primary
     run; peers only when it is greedy)."""
-    methods = methods_for(config.drafters, config.peers if config.primary.temperature == 0 else [])
+    methods = methods_for(config.drafters, config.peers if config.primary.temperature == 0 else [], config.hf)
     p = config.primary
     pairs: dict[tuple, tuple[Method, Setting]] = {}
 
@@ -61,7 +62,8 @@ def plan(config: BenchConfig) -> list[tuple[Method, Setting]]:
         for b in config.batch_sizes:
             for m in sweep_methods:
                 add(m, p.gamma, p.temperature, b)
-    # greedy output equality needs HF generate's greedy batch-1 output on every prompt
+    # greedy output equality needs the reference's greedy batch-1 output on every prompt (HF generate's,
+    # else plain decoding's)
     add(methods[0], None, 0.0, 1)
     return list(pairs.values())
 
@@ -97,6 +99,7 @@ def run_benchmark(config: BenchConfig, prompts: list[BenchPrompt], runner: Metho
     all methods back to back, in an order rotated per batch and repeat so drift favours none."""
     runner = runner or MethodRunner(config.target, config.drafters, config.device, config.dtype,
                                     chat_template=config.chat_template, path=config.path, peers=config.peers)
+    config.hf = runner.hf
     pairs = plan(config)
     ids = {p.id: runner.encode(p) for p in prompts}
     groups: dict[tuple, list] = {}

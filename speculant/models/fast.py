@@ -25,11 +25,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..errors import SpeculantError
 from ..rows import PerRow
-from . import cpu_attention, cpu_kernels, invariant, native, quantized
+from . import cpu_attention, cpu_kernels, gguf_model, invariant, native, quantized
 from .cpu_kernels import PackedLinear
 from .invariant import FLinear, KeyLayout, RowLinear
-from .quantized import DenseWeight, QuantLinear, QuantWeight
+from .quantized import DenseWeight, PackedQ8, QuantEmbedding, QuantLinear, QuantWeight
 
 FAST_MODEL_TYPES = {"llama", "mistral", "qwen2"}
 MATMULS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -91,6 +92,13 @@ def _window(fn, kind, dtype: torch.dtype, device: str) -> invariant.Rows:
         return invariant.linear_rows(f"kernel core {bits}-bit weights", lambda w, b: QuantLinear(
             DenseWeight.bfloat16_of(w) if bits == 16 else DenseWeight(w.contiguous()), b),
                                      dtype, fn.in_features, fn.out_features, fn.bias is not None, device)
+    if isinstance(fn, QuantLinear) and isinstance(fn.weight, PackedQ8):
+        # blocks of the same kinds, random: a row's sums are its own whatever the weight's values
+        # (a kernel-core kind, width-invariant by construction); at most 256 outputs checked (a
+        # 151,936-row LM head's check would make 0.9 GB of weights)
+        w, outs = fn.weight, min(fn.out_features, 256)
+        return invariant.linear_rows(f"q8 kinds {w.bits}", lambda _, b: QuantLinear(w.random_like(outs), b),
+                                     dtype, fn.in_features, outs, fn.bias is not None, device)
     if isinstance(fn, QuantLinear):
         bits, int8 = fn.weight.bits, fn.int8
         return invariant.linear_rows(f"quantized {bits}-bit" + (" int8" if int8 else ""),
@@ -221,13 +229,13 @@ class BoundLayers:
     @staticmethod
     def weights(layers: list[dict]) -> tuple[list, list, list]:
         """``bind_layers``' weight arguments: the layers' norms, their linears' packed arguments and
-        bit widths, in the kernel's order."""
+        kinds, in the kernel's order."""
         norms, linears, bits = [], [], []
         for w in layers:
             q = w["quantized"]
             norms += [w["ln1"], w["ln2"]]
             for lin in (q["qkv"], q["o"], q["gateup"], q["down"]):
-                linears += lin.args
+                linears.append(lin.args)
                 bits.append(lin.weight.bits)
         return norms, linears, bits
 
@@ -357,12 +365,17 @@ def quantized_kernels(fast: "FastLlama", plain: list[dict], qweights: dict) -> K
             and fast.head_dim % 2 == 0:
         ks.layer_fn = quantized_layer
         head = getattr(ks.head, "fn", None)
-        embed = fast.embed.weight
         # a pass's ends bound with its layers where they are what the kernels compute: an LM head of
-        # the GGUF's blocks, float32 embeddings looked up as they are
-        ends = (embed, fast.norm.weight, fast.eps, head.args, head.weight.bits) if (
-            isinstance(head, QuantLinear) and hasattr(head, "args") and embed.dtype == torch.float32
-            and embed.is_contiguous() and type(fast.embed) is torch.nn.Embedding) else ()
+        # the GGUF's blocks, float32 embeddings looked up as they are or their own blocks dequantized
+        if isinstance(fast.embed, QuantEmbedding):
+            embed = (torch.empty(0), QuantLinear(fast.embed.packed).args, fast.embed.packed.bits)
+        elif type(fast.embed) is torch.nn.Embedding and fast.embed.weight.dtype == torch.float32 \
+                and fast.embed.weight.is_contiguous():
+            embed = (fast.embed.weight, [], 0)
+        else:
+            embed = None
+        ends = (*embed, fast.norm.weight, fast.eps, head.args, head.weight.bits) if (
+            isinstance(head, QuantLinear) and hasattr(head, "args") and embed is not None) else ()
         # bound at the first pass that runs them all (a model whose attention is not the kernel never is)
         ks.all_layers = functools.cache(lambda: BoundLayers(ks.layers, fast.n_heads, fast.n_kv, fast.head_dim,
                                                             fast.eps, ends))
@@ -426,6 +439,9 @@ class FastLlama:
         # every pass but the prefill (one-token steps, verify blocks, trees, batches) runs one kernel set
         self.pass_set = choose_kernels(self, plain, compile, kernels, quantized.weights_of(hf_model))
         self.kernels, self.attention, self.invariance = self.pass_set.name, self.pass_set.attention, self.pass_set.invariance
+        if gguf_model.is_direct(hf_model) and self.pass_set.layer_fn is not quantized_layer:
+            raise SpeculantError("a GGUF read straight into the int8 kernels runs on its compiled layers only, and "
+                                 "this model's shapes do not fit them: load it with dtype float32")
         # q8 keeps its cache in float16 where its kernels attend (llama.cpp's default too): a long
         # context's attention streams half the bytes; keys and values are rounded once as they are
         # written and read back exactly, so every row still gets the same bits at any width
@@ -629,12 +645,17 @@ def _quantized(fast: "FastLlama", plain: list[dict], qweights: dict[str, QuantWe
         for group, module in ((("q", "k", "v"), "self_attn.{}_proj"), (("gate", "up"), "mlp.{}_proj"),
                               (("o",), "self_attn.{}_proj"), (("down",), "mlp.{}_proj")):
             parts = [qweights.get(f"model.layers.{i}." + module.format(n)) for n in group]
-            if all(p is not None for p in parts) and len({p.bits for p in parts}) == 1:
+            same = len({type(p) for p in parts}) == 1 and (
+                isinstance(parts[0], PackedQ8) or len({p.bits for p in parts}) == 1)
+            if all(p is not None for p in parts) and same:
                 biases = [w.get(n + "_bias") for n in group]
                 bias = None if all(b is None for b in biases) else torch.cat(
-                    [b if b is not None else w[n].new_zeros(w[n].shape[0]) for n, b in zip(group, biases)])
+                    [b if b is not None else torch.zeros(p.shape[0]) for p, b in zip(parts, biases)])
                 w["".join(group) + "_packed"] = QuantLinear(type(parts[0]).stacked(parts), bias, fast.int8)
                 w.setdefault("quantized", {})["".join(group)] = w["".join(group) + "_packed"]  # unwindowed
+            elif gguf_model.is_direct(fast.hf_model):  # no dense weights to fall back on
+                raise SpeculantError(f"layer {i}'s {'/'.join(group)} mix dense and quantized GGUF types, which one "
+                                     "kernel call cannot take: load the model with dtype float32")
             else:  # F.linear over the dense weights, windowed like the rest
                 dense += len(group)
                 for n in group:

@@ -63,9 +63,10 @@ def incomplete(path: Path, size: int):
     return bad
 
 
-def _gguf_table(r: GGUFTable, bad) -> tuple[int, list[tuple[str, list[int], int, int]]]:
+def _gguf_table(r: GGUFTable, bad, scalars: dict | None = None) -> tuple[int, list[tuple[str, list[int], int, int]]]:
     """(where the tensors' data starts, each tensor's (name, dims, GGML type, offset within the data)),
-    from the header on: metadata values are stepped over, not made into Python objects."""
+    from the header on: metadata values are stepped over, not made into Python objects (``scalars``,
+    where given, gets every scalar and string value by key)."""
     if r.take("4s") != b"GGUF":
         raise bad("no GGUF header")
     version, tensors, kvs = r.take("I"), r.take("Q"), r.take("Q")
@@ -77,6 +78,8 @@ def _gguf_table(r: GGUFTable, bad) -> tuple[int, list[tuple[str, list[int], int,
         v = r.value(kind)
         if key == b"general.alignment" and isinstance(v, int) and v > 0:
             align = v
+        if scalars is not None and v is not None:
+            scalars[key.decode("utf-8", "replace")] = v.decode("utf-8", "replace") if isinstance(v, bytes) else v
     table = []
     for _ in range(tensors):
         name = r.string().decode("utf-8", "replace")
@@ -103,13 +106,16 @@ class GGUFTensor:
     kind: str  # GGML type name: "Q4_1", "Q8_0", "F32", ...
     dims: list[int]  # GGUF order: dims[0] is a row's length (in_features of a linear)
     data: "np.ndarray"  # its raw bytes, uint8 [rows, bytes a row], a view of the file
+    type_id: int = -1  # GGML type id (the table's)
+    at: int = 0  # where its bytes start in the file
 
 
-def gguf_tensors(path: Path) -> list[GGUFTensor]:
+def gguf_tensors(path: Path, scalars: dict | None = None, mapped: list | None = None) -> list[GGUFTensor]:
     """A GGUF file's tensors as views of the file, read from its table alone: gguf's own reader
     makes every metadata value a numpy object first (a tokenizer's ~100k strings: 2.8 s for the
-    default GGUF, 12.3 s for gemma3-270m's on a 2-core Zen 3), where stepping over them takes milliseconds. Types gguf does not know
-    are left out."""
+    default GGUF, 12.3 s for gemma3-270m's on a 2-core Zen 3), where stepping over them takes
+    milliseconds. Types gguf does not know are left out. ``scalars`` gets the metadata's scalar and
+    string values by key; ``mapped`` the file's memory map (to give pages back: ``mmap.madvise``)."""
     import mmap
 
     import numpy as np
@@ -118,7 +124,9 @@ def gguf_tensors(path: Path) -> list[GGUFTensor]:
     size = path.stat().st_size
     with open(path, "rb") as f:  # one map: the table is read from it, the tensors are views of it
         m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    start, table = _gguf_table(GGUFTable(m, size), incomplete(path, size))
+    start, table = _gguf_table(GGUFTable(m, size), incomplete(path, size), scalars)
+    if mapped is not None:
+        mapped.append(m)
     data = np.frombuffer(m, dtype=np.uint8)  # keeps the map alive as long as a tensor's view does
     out = []
     for name, dims, kind, offset in table:
@@ -128,5 +136,6 @@ def gguf_tensors(path: Path) -> list[GGUFTensor]:
         except (ValueError, KeyError):
             continue
         rows = math.prod(dims[1:])  # a row is dims[0] values
-        out.append(GGUFTensor(name, kind_name, dims, data[start + offset : start + offset + nbytes].reshape(rows, -1)))
+        at = start + offset
+        out.append(GGUFTensor(name, kind_name, dims, data[at : at + nbytes].reshape(rows, -1), kind, at))
     return out

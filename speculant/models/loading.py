@@ -239,6 +239,10 @@ def load_model(spec: str, device: str | torch.device | None = None, dtype=None,
     quantize = dtype in QUANTIZED_MODES
     if quantize:
         _check_quantizable(spec, dtype, dev, device_map)
+    if dtype == Q8:
+        direct = _load_direct(resolve_model_path(spec))
+        if direct is not None:
+            return direct
     folder, name = resolve_model_folder(spec)
     key = (str(folder.resolve()), str(dev), dt, str(device_map)) + ((dtype,) if quantize else ())
     if key in _LOADED:
@@ -260,6 +264,25 @@ def load_model(spec: str, device: str | torch.device | None = None, dtype=None,
     loaded = LoadedModel(model=model, tokenizer=tokenizer, name=name)
     _LOADED[key] = loaded
     return loaded
+
+
+def _load_direct(path: Path) -> LoadedModel | None:
+    """A GGUF read straight into the int8 kernels (``gguf_model``: no float32 copy), memoised like any
+    load; None where its architecture is not one the kernels' layers run (it is dequantised then)."""
+    from . import gguf_model
+
+    check_gguf(path)  # a truncated file: one line, before anything else
+    st = path.stat()
+    key = ("gguf-direct", str(path.resolve()), st.st_size, int(st.st_mtime))
+    if key in _LOADED:
+        return _LOADED[key]
+    if not gguf_model.reads_directly(path):
+        return None
+    _quiet_transformers()
+    folder = _gguf_cache_folder(path)
+    model, tokenizer = gguf_model.load_direct(path, folder.with_name(folder.name + "-described"))
+    _LOADED[key] = LoadedModel(model=model, tokenizer=tokenizer, name=path.stem)
+    return _LOADED[key]
 
 
 def _check_quantizable(spec: str, dtype: str, device: torch.device, device_map) -> None:

@@ -12,6 +12,7 @@ fails, ``build`` says so once and returns None: the callers fall back to PyTorch
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -28,40 +29,37 @@ CSRC = Path(__file__).parent / "csrc"
 FUNCTIONS = ("attend", "quant_linear", "layer_start", "layer_end", "layer", "bind_layers", "unbind_layers", "run_layers",
              "bind_ends", "run_pass",
              "eagle_layer", "eagle_chain", "chain_tree", "norm", "argmax", "tree_layout", "greedy_accept", "move_slots", "group_size",
-             "q8_quantize", "isa")
-STALE_LOCK_S = 600  # a build takes about a minute, writing files as it goes: ten quiet minutes is a killed one
+             "q8_quantize", "gguf_pack", "gguf_kind", "gguf_group_bytes", "q8_dequantize", "isa")
 
 
-def _clear_stale_lock(folder: Path) -> None:
-    """PyTorch's build lock outlives a process killed mid-build, and the next build would wait on it
-    forever: a lock in a folder where nothing (no object file, no ninja log) has been written for
-    longer than a build takes is removed."""
-    lock = folder / "lock"
+@contextlib.contextmanager
+def build_lock(root: Path, name: str, say=lambda msg: print(msg, file=sys.stderr, flush=True)):
+    """One build of a kernels module at a time across processes: an flock on a file beside the build
+    folders, which the OS lets go of the moment its holder exits, however it exits, so a killed build
+    never blocks the next. While it is held, a PyTorch build lock in the module's folder is a killed
+    build's (every build here takes this lock first), and goes at once: PyTorch's own wait on it has
+    no end."""
     try:
-        if not lock.exists():
-            return
-        newest = max(f.stat().st_mtime for f in folder.iterdir())
-        if time.time() - newest > STALE_LOCK_S:
-            lock.unlink()
-            print(f"speculant: removed a stale build lock ({lock})", file=sys.stderr, flush=True)
-    except OSError:  # gone meanwhile (a build finished), or not ours to remove: PyTorch waits or fails as it would
-        pass
-
-
-def _await_other_build(folder: Path, poll_s: float = 1.0) -> None:
-    """Wait here while another process's build holds the folder's lock, saying so once; a lock
-    that goes stale meanwhile (a build killed just before this one started) is removed. PyTorch's
-    own wait on it has no end: a run started right after a killed build waited silently forever."""
-    lock, said = folder / "lock", False
-    while True:
-        _clear_stale_lock(folder)
-        if not lock.exists():
-            return
-        if not said:
-            print(f"speculant: waiting for another build of the CPU kernels ({lock}; removed if nothing is written "
-                  f"there for {STALE_LOCK_S // 60} minutes)", file=sys.stderr, flush=True)
-            said = True
-        time.sleep(poll_s)
+        import fcntl
+    except ImportError:  # no flock (Windows): PyTorch's lock alone
+        yield
+        return
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{name}.lock", "a+") as held:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            say(f"speculant: waiting for another process's build of the CPU kernels ({root / name})")
+            fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            for folder in [*root.glob(name), *root.glob(f"*/{name}")]:
+                stale = folder / "lock"
+                if stale.exists():
+                    stale.unlink(missing_ok=True)
+                    say(f"speculant: removed a killed build's lock ({stale})")
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
 
 
 def sources() -> str:
@@ -143,20 +141,22 @@ def _build(isa: tuple[str, ...]):
     try:
         from torch.utils import cpp_extension  # a fifth of a second to import: only to build a kernel
 
+        import torch
+
         all_flags = list(FLAGS + isa)
-        tag = hashlib.sha256((sources() + " ".join(all_flags) + cpu_key()).encode()).hexdigest()[:12]
-        name = f"speculant_kernels_{tag}"
+        # everything the build command holds is in the name (the sources' folder too: two installs of
+        # speculant with one name would rebuild in turn, each command replacing the other's module)
+        key = sources() + " ".join(all_flags) + cpu_key() + str(CSRC.resolve()) + torch.__version__
+        name = f"speculant_kernels_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
         # PyTorch builds in $TORCH_EXTENSIONS_DIR/<name>, else in <default root>/<python, cuda>/<name>
         root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
-        folders = [*root.glob(name), *root.glob(f"*/{name}")]
-        for folder in folders:
-            _await_other_build(folder)
-        if not any((folder / f"{name}.so").exists() for folder in folders):
-            print("speculant: building the CPU kernels for this machine (once, about a minute)", file=sys.stderr,
-                  flush=True)
-        module = cpp_extension.load_inline(name, [(CSRC / "kernels.cpp").read_text()], functions=list(FUNCTIONS),
-                                           extra_cflags=all_flags, extra_ldflags=["-fopenmp"],
-                                           extra_include_paths=[str(CSRC)], verbose=False)
+        with build_lock(root, name):
+            if not any((folder / f"{name}.so").exists() for folder in [*root.glob(name), *root.glob(f"*/{name}")]):
+                print("speculant: building the CPU kernels for this machine (once, about a minute)", file=sys.stderr,
+                      flush=True)
+            module = cpp_extension.load_inline(name, [(CSRC / "kernels.cpp").read_text()], functions=list(FUNCTIONS),
+                                               extra_cflags=all_flags, extra_ldflags=["-fopenmp"],
+                                               extra_include_paths=[str(CSRC)], verbose=False)
         sampling.use_compiled_argmax(module.argmax)  # greedy decoding's (any ISA's build: the same indices)
         verify.use_compiled_greedy_accept(module.greedy_accept)
         global _built

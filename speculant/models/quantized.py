@@ -154,6 +154,173 @@ class DenseWeight:
         return DenseWeight(view)
 
 
+# GGML block types the int8 kernels take straight from a GGUF (csrc/core/gguf.h: each type's q8 kind);
+# F32, F16 and BF16 tensors run as dense weights (``DenseWeight``)
+Q8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+DENSE_TYPES = ("F32", "F16", "BF16")
+# where each block type keeps its float16 fields (scales, mins): (bytes a block, [offsets]) for
+# ``random_gguf_blocks``
+_HALF_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "IQ4_NL": [0],
+                "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_XS": [0]}
+
+
+def random_gguf_blocks(kind: str, rows: int, in_features: int, generator: torch.Generator,
+                       scale_bits: int = 0x2000) -> np.ndarray:
+    """Rows of random blocks of a GGML type (uint8 [rows, bytes a row]): random codes and bits, with
+    its float16 scales and mins finite and below the half ``scale_bits`` (2^-7; subnormals included,
+    either sign), so that sums stay finite: the checks' and the tests' weights of every type."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    n_blocks = rows * in_features // block
+    raw = torch.randint(0, 256, (n_blocks, nbytes), generator=generator, dtype=torch.uint8).numpy()
+    for at in _HALF_FIELDS.get(kind, [0]):  # another type (a test's): its first two bytes, as most have
+        bits = torch.randint(0, scale_bits, (n_blocks,), generator=generator, dtype=torch.int32).numpy()
+        sign = torch.randint(0, 2, (n_blocks,), generator=generator, dtype=torch.int32).numpy() << 15
+        raw[:, at : at + 2] = (bits | sign).astype(np.uint16).view(np.uint8).reshape(n_blocks, 2)
+    return raw.reshape(rows, -1)
+
+
+@dataclass
+class PackedQ8:
+    """A weight [out, in] in the int8 kernels' layout (csrc/core/q8.h), packed there from a GGUF
+    tensor's own blocks (csrc/core/gguf.h), as exact as the file: up to three parts of different
+    block types side by side (q/k/v or gate/up of a file whose tensors differ in type)."""
+
+    parts: list[torch.Tensor]  # uint8 [groups of 16 outputs, bytes a group], one per part
+    kinds: list[int]  # each part's q8 kind (csrc/core/q8.h's Q8KindId)
+    outs: list[int]  # each part's outputs
+    in_features: int
+    source: str  # the GGUF block type(s)
+
+    @property
+    def bits(self) -> int:
+        """What the kernels take as the weight's kind: each part's, a byte each (kernels.cpp's linear_of)."""
+        return sum(k << (8 * i) for i, k in enumerate(self.kinds))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(self.outs), self.in_features
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() for p in self.parts)
+
+    @staticmethod
+    def group_bytes(type_id: int, in_features: int) -> int:
+        """Bytes of a group of 16 outputs in ``of_gguf``'s packing of a tensor of a GGML type."""
+        return kernels().gguf_group_bytes(type_id, in_features)
+
+    @staticmethod
+    def of_gguf(kind: str, type_id: int, raw: np.ndarray, in_features: int, out: torch.Tensor | None = None) -> "PackedQ8":
+        """A GGUF tensor's raw blocks (uint8 [out, bytes a row]) repacked by the kernels (into ``out``, a
+        uint8 [groups, bytes a group] view, where given: tensors a model stacks packed side by side)."""
+        import warnings
+
+        with warnings.catch_warnings():  # the file's map is read-only, and the kernel only reads it
+            warnings.simplefilter("ignore", UserWarning)
+            raw_tensor = torch.from_numpy(raw)
+        k = kernels()
+        packed = k.gguf_pack(raw_tensor, type_id, in_features, torch.empty(0, dtype=torch.uint8) if out is None else out)
+        return PackedQ8([packed], [k.gguf_kind(type_id)], [raw.shape[0]], in_features, kind)
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The float32 weight (or its ``rows``): each value the file's own dequantisation."""
+        k = kernels()
+        rows = torch.arange(self.shape[0]) if rows is None else rows.to(torch.long)
+        out, start = torch.empty(len(rows), self.in_features), 0
+        for packed, kind, n in zip(self.parts, self.kinds, self.outs):
+            here = (rows >= start) & (rows < start + n)
+            if bool(here.any()):
+                out[here] = k.q8_dequantize([packed, torch.zeros(n)], kind, self.in_features, rows[here] - start)
+            start += n
+        return out
+
+    def random_like(self, outs: int, seed: int = 0) -> "PackedQ8":
+        """A weight of random blocks of the same kinds side by side, at most ``outs`` outputs in all (each
+        part but the last a whole number of groups): the width checks' stand-in (``fast._window``)."""
+        g = torch.Generator().manual_seed(seed)
+        share = max(Q8_GROUP, outs // len(self.parts) // Q8_GROUP * Q8_GROUP)
+        parts = []
+        for i, (kind, n) in enumerate(zip(self.kinds, self.outs)):
+            rows = min(n, share if i + 1 < len(self.parts) else max(1, outs - share * i))
+            name = next(t for t in Q8_TYPES if kernels().gguf_kind(_GGML_TYPE_IDS[t]) == kind)
+            parts.append(PackedQ8.of_gguf(name, _GGML_TYPE_IDS[name], random_gguf_blocks(name, rows, self.in_features, g),
+                                          self.in_features))
+        return PackedQ8.stacked(parts)
+
+    @staticmethod
+    def stacked(parts: list["PackedQ8"]) -> "PackedQ8":
+        """One weight for several that read the same input (q/k/v, gate/up): parts of one kind that
+        follow a whole number of groups are joined (fewer parallel loops), others kept side by side.
+        The weights given become views of the joined ones (their own copies freed: a model holds each
+        weight once)."""
+        out = PackedQ8([], [], [], parts[0].in_features, "+".join(dict.fromkeys(p.source for p in parts)))
+        joined: list[list[tuple[PackedQ8, int]]] = []  # per part of out: (weight given, its part index)
+        for w in parts:
+            for i, (packed, kind, n) in enumerate(zip(w.parts, w.kinds, w.outs)):
+                if out.kinds and out.kinds[-1] == kind and out.outs[-1] % Q8_GROUP == 0:
+                    out.parts[-1].append(packed)
+                    out.outs[-1] += n
+                    joined[-1].append((w, i))
+                else:
+                    out.parts.append([packed]), out.kinds.append(kind), out.outs.append(n)
+                    joined.append([(w, i)])
+        if len(out.parts) > 3:
+            raise ValueError("at most three kinds side by side")
+        for n in out.outs[:-1]:
+            if n % Q8_GROUP:
+                raise ValueError("parts side by side need whole groups of 16 outputs")
+        for j, tensors in enumerate(out.parts):
+            out.parts[j] = _joined(tensors)
+            start = 0
+            for (w, i), t in zip(joined[j], tensors):
+                w.parts[i] = out.parts[j][start : start + len(t)]
+                start += len(t)
+        return out
+
+
+def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Packed weights [groups, bytes] one after another: a view where they lie so in one storage
+    (packed side by side as they were read: ``gguf_model``), else a copy."""
+    first = tensors[0]
+    at = first.data_ptr()
+    for t in tensors:
+        if not t.is_contiguous() or t.data_ptr() != at or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            return torch.cat(tensors)
+        at += t.numel()
+    rows = sum(len(t) for t in tensors)
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (rows, first.shape[1]))
+
+
+_GGML_TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
+                  "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23}
+
+
+class QuantEmbedding(torch.nn.Module):
+    """A model's input embeddings as the GGUF keeps them (a ``PackedQ8``): a token's row is dequantized
+    when it is looked up (the file's own values), and the whole table (151,936 x 1,536 floats would
+    be 0.9 GB) is made only where something asks for ``weight`` (an EAGLE head's drafting)."""
+
+    def __init__(self, packed: PackedQ8):
+        super().__init__()
+        self.packed = packed
+        self.num_embeddings, self.embedding_dim = packed.shape
+        self._dense = None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        if self._dense is None:
+            self._dense = self.packed.dequantize()
+        return self._dense
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        if self._dense is not None:
+            return self._dense[flat].view(*ids.shape, -1)
+        return self.packed.dequantize(flat).view(*ids.shape, -1)
+
+
 def _dense_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear] | None:
     """A float32 CPU model's linear layers by name, where the kernels can take every one (input
     widths a multiple of 32, contiguous float32 weights), else None."""
@@ -209,14 +376,18 @@ class QuantLinear:
     ``int8``: each row of x is quantized to int8 in blocks of 32 and multiplied in integers (``q8``).
     Without the compiled kernel: the dequantised weight and ``F.linear`` (slow, and not the kernel's bits)."""
 
-    def __init__(self, weight: QuantWeight | DenseWeight, bias: torch.Tensor | None = None, int8: bool = False):
-        self.weight, self.int8 = weight, int8
+    def __init__(self, weight: QuantWeight | DenseWeight | PackedQ8, bias: torch.Tensor | None = None,
+                 int8: bool = False):
+        self.weight, self.int8 = weight, int8 or isinstance(weight, PackedQ8)
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self._dense = None
         k = kernels()
         if k is not None:  # the kernel's arguments: the weight packed for streaming, a bias (zeros for none)
             bias = self.bias if self.bias is not None else torch.zeros(self.out_features)
+            if isinstance(weight, PackedQ8):
+                self.args = [*weight.parts, bias]
+                return
             packed = weight.tensor if isinstance(weight, DenseWeight) else pack_int8(weight) if int8 else pack(
                 weight, k.group_size())
             self.args = [packed, bias]

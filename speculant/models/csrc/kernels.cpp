@@ -11,6 +11,7 @@
 
 #include "core/accept.h"
 #include "core/eagle.h"
+#include "core/gguf.h"
 #include "core/layer.h"
 
 namespace {
@@ -33,45 +34,64 @@ const at::Tensor& rows_of_float(const at::Tensor& t, int64_t width) {
   return t;
 }
 
-// A quantized linear's tensors from Python: (packed weight, bias [N], zeros for none). The packed
-// weight's layout says which kernels multiply with it: [groups of 4, blocks, 4, record] float32
-// activations (core/quant.h); [groups of 16, blocks, bytes a block] int8 activations (core/q8.h),
-// whose block size says whether its scales are float32 or float16.
-// Bits 32: (a float32 model's own weight [N, K], bias), multiplied as it is (core/quant.h); bits 16:
-// the weight kept in bfloat16 (each value one), widened exactly.
+// A quantized linear's tensors from Python: (packed weight, bias [N], zeros for none), or for int8
+// weights of several kinds side by side (q/k/v of a GGUF whose tensors differ in type) (packed,
+// packed, ..., bias), up to three, every part but the last a whole number of groups of 16 outputs.
+// ``bits``: what the packed weights are: 32 or 16, a float32 model's own weight [N, K] or its
+// bfloat16 values (core/quant.h); 4 or 8, a [groups of 4, blocks, 4, record] layout for float32
+// activations (core/quant.h); otherwise the q8 kind of each part (core/q8.h), the first's in its
+// low byte, the next's in the byte above. A direct q8 kind's size says whether its scales are
+// float32 or float16.
 spk::Linear linear_of(const std::vector<at::Tensor>& t, int64_t bits, int64_t K) {
-  TORCH_CHECK(t.size() == 2 && K % spk::BLOCK == 0 && (bits == 4 || bits == 8 || bits == 16 || bits == 32),
-              "a kernel linear is (packed, bias) of 4- or 8-bit codes, or (float32 or bfloat16 weight, bias); "
-              "in_features a multiple of 32");
-  TORCH_CHECK(t[1].scalar_type() == at::kFloat && t[1].is_contiguous() && t[1].dim() == 1, "bias: float32 [N]");
-  const int64_t blocks = K / spk::BLOCK, N = t[1].numel();
+  TORCH_CHECK(t.size() >= 2 && t.size() <= 4 && K % spk::BLOCK == 0,
+              "a kernel linear is (packed, ..., bias) of up to three packed weights; in_features a multiple of 32");
+  const at::Tensor& bias = t.back();
+  TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.dim() == 1, "bias: float32 [N]");
+  const int64_t blocks = K / spk::BLOCK, N = bias.numel();
   const at::Tensor& p = t[0];
-  if (bits == 32) {
-    TORCH_CHECK(p.scalar_type() == at::kFloat && p.is_contiguous() && p.dim() == 2 && p.size(0) == N && p.size(1) == K,
-                "float32 weight: contiguous [", N, ", ", K, "]");
-    return {{reinterpret_cast<const uint8_t*>(p.data_ptr<float>()), N, K, 32}, t[1].data_ptr<float>(), false};
+  if (bits == 32 || bits == 16) {
+    const bool f32 = bits == 32;
+    TORCH_CHECK(t.size() == 2 && p.scalar_type() == (f32 ? at::kFloat : at::kBFloat16) && p.is_contiguous() &&
+                    p.dim() == 2 && p.size(0) == N && p.size(1) == K,
+                f32 ? "float32" : "bfloat16", " weight: contiguous [", N, ", ", K, "]");
+    return {{static_cast<const uint8_t*>(p.data_ptr()), N, K, static_cast<int>(bits)}, bias.data_ptr<float>(), false};
   }
-  if (bits == 16) {
-    TORCH_CHECK(p.scalar_type() == at::kBFloat16 && p.is_contiguous() && p.dim() == 2 && p.size(0) == N &&
-                    p.size(1) == K,
-                "bfloat16 weight: contiguous [", N, ", ", K, "]");
-    return {{reinterpret_cast<const uint8_t*>(p.data_ptr<at::BFloat16>()), N, K, 16}, t[1].data_ptr<float>(), false};
+  for (const at::Tensor& part : t)
+    TORCH_CHECK(&part == &bias || (part.scalar_type() == at::kByte && part.is_contiguous()),
+                "packed weight: contiguous uint8");
+  if ((bits == 4 || bits == 8) && p.dim() == 4) {  // float32 activations (quant.h)
+    const int64_t record = spk::record_bytes(static_cast<int>(bits)), groups = (N + spk::GROUP - 1) / spk::GROUP;
+    TORCH_CHECK(t.size() == 2 && p.size(0) == groups && p.size(1) == blocks && p.size(2) == spk::GROUP &&
+                    p.size(3) == record,
+                "packed weight: uint8 [", groups, ", ", blocks, ", ", spk::GROUP, ", ", record, "]");
+    return {{p.data_ptr<uint8_t>(), N, K, static_cast<int>(bits)}, bias.data_ptr<float>(), false};
   }
-  TORCH_CHECK(p.scalar_type() == at::kByte && p.is_contiguous(), "packed weight: contiguous uint8");
-  const spk::QWeights w{p.data_ptr<uint8_t>(), N, K, static_cast<int>(bits)};
-  if (p.dim() == 3) {
-    const int64_t groups = (N + spk::Q8_GROUP - 1) / spk::Q8_GROUP, bytes = spk::q8_block_bytes(static_cast<int>(bits));
-    const bool half = p.size(2) == spk::q8_block_bytes(static_cast<int>(bits), true);
-    TORCH_CHECK(p.size(0) == groups && p.size(1) == blocks && (p.size(2) == bytes || half),
-                "int8 packed weight: uint8 [", groups, ", ", blocks, ", ", bytes, " or ",
-                spk::q8_block_bytes(static_cast<int>(bits), true), "]");
-    return {w, t[1].data_ptr<float>(), true, half};
+  const int64_t parts = static_cast<int64_t>(t.size()) - 1;
+  TORCH_CHECK(bits >> (8 * parts) == 0, "linear: a q8 kind for each packed weight, no more");
+  spk::Q8Weights w[3];
+  int64_t before = 0;
+  for (int64_t i = 0; i < parts; ++i) {
+    const int kind = static_cast<int>((bits >> (8 * i)) & 255);
+    TORCH_CHECK(spk::q8_kind_known(kind), "linear: ", kind, " is not a q8 kind");
+    TORCH_CHECK(!spk::q8_super(kind) || K % (spk::Q8_SUPER * spk::BLOCK) == 0,
+                "linear: a super-block kind needs in_features a multiple of 256");
+    const at::Tensor& q = t[i];
+    const int64_t groups = q.dim() ? q.size(0) : 0;
+    const int64_t n = i + 1 < parts ? groups * spk::Q8_GROUP : N - before;
+    TORCH_CHECK(n > 0 && groups == (n + spk::Q8_GROUP - 1) / spk::Q8_GROUP,
+                "linear: part ", i, "'s groups do not hold its ", n, " outputs");
+    const int64_t half_bytes = groups * spk::q8_group_bytes(kind, true, K);
+    const bool half = q.numel() == half_bytes;
+    TORCH_CHECK(half || (!spk::q8_super(kind) && q.numel() == groups * spk::q8_group_bytes(kind, false, K)),
+                "int8 packed weight of kind ", kind, ": ", groups, " groups of ", spk::q8_group_bytes(kind, true, K),
+                spk::q8_super(kind) ? "" : " or " + std::to_string(spk::q8_group_bytes(kind, false, K)), " bytes");
+    w[i] = {q.data_ptr<uint8_t>(), n, K, kind, half};
+    before += n;
   }
-  const int64_t record = spk::record_bytes(static_cast<int>(bits)), groups = (N + spk::GROUP - 1) / spk::GROUP;
-  TORCH_CHECK(p.dim() == 4 && p.size(0) == groups && p.size(1) == blocks && p.size(2) == spk::GROUP &&
-                  p.size(3) == record,
-              "packed weight: uint8 [", groups, ", ", blocks, ", ", spk::GROUP, ", ", record, "]");
-  return {w, t[1].data_ptr<float>(), false};
+  spk::Linear l{{w[0].packed, w[0].N, K, w[0].kind}, bias.data_ptr<float>(), true, w[0].half};
+  l.n_more = static_cast<int>(parts - 1);
+  for (int64_t i = 1; i < parts; ++i) l.more[i - 1] = w[i];
+  return l;
 }
 
 template <typename T, typename A>
@@ -260,7 +280,8 @@ struct BoundLayers {
   int64_t H, n_heads, n_kv, D;
   // the model's ends (bind_ends), for run_pass: input embeddings [vocab, H], final norm, LM head
   bool ends = false;
-  const float* embed = nullptr;
+  const float* embed = nullptr;  // a float32 table, or
+  spk::Q8Weights embed_q{};      // the embeddings' own blocks (a GGUF's, read straight into the kernels)
   int64_t vocab = 0;
   const float* norm = nullptr;
   float norm_eps = 0.f;
@@ -271,24 +292,24 @@ std::mutex bound_mutex;
 
 }  // namespace
 
-// norms: (ln1, ln2) a layer; linears: (packed, bias) for q/k/v, o, gate_up and down a layer; bits:
-// their code bits. Returns the handle run_layers takes.
-int64_t bind_layers(const std::vector<at::Tensor>& norms, double eps, const std::vector<at::Tensor>& linears,
+// norms: (ln1, ln2) a layer; linears: the (packed, ..., bias) of q/k/v, o, gate_up and down a layer;
+// bits: their kinds (linear_of). Returns the handle run_layers takes.
+int64_t bind_layers(const std::vector<at::Tensor>& norms, double eps, const std::vector<std::vector<at::Tensor>>& linears,
                     const std::vector<int64_t>& bits, int64_t n_heads, int64_t n_kv, int64_t D) {
   const size_t L = norms.size() / 2;
-  TORCH_CHECK(L > 0 && norms.size() == 2 * L && linears.size() == 8 * L && bits.size() == 4 * L,
-              "bind_layers: per layer (ln1, ln2), four (packed, bias) and their four code bits");
+  TORCH_CHECK(L > 0 && norms.size() == 2 * L && linears.size() == 4 * L && bits.size() == 4 * L,
+              "bind_layers: per layer (ln1, ln2), four (packed, ..., bias) and their four kinds");
   const int64_t H = norms[0].numel();
   TORCH_CHECK(H % spk::LANES == 0, "bind_layers: hidden size a multiple of 16");
   auto b = std::make_unique<BoundLayers>(BoundLayers{{}, {}, H, n_heads, n_kv, D});
   for (size_t l = 0; l < L; ++l) {
-    auto lin = [&](size_t i) { return std::vector<at::Tensor>{linears[8 * l + 2 * i], linears[8 * l + 2 * i + 1]}; };
-    b->layers.push_back(layer_weights(norms[2 * l], norms[2 * l + 1], eps, H, lin(0), bits[4 * l], H, n_heads * D,
-                                      lin(1), bits[4 * l + 1], lin(2), bits[4 * l + 2], lin(3), bits[4 * l + 3]));
+    const auto& lin = linears.begin() + 4 * l;
+    b->layers.push_back(layer_weights(norms[2 * l], norms[2 * l + 1], eps, H, lin[0], bits[4 * l], H, n_heads * D,
+                                      lin[1], bits[4 * l + 1], lin[2], bits[4 * l + 2], lin[3], bits[4 * l + 3]));
     TORCH_CHECK(b->layers.back().qkv.N() == (n_heads + 2 * n_kv) * D, "bind_layers: q/k/v heads");
   }
   b->keep = norms;
-  b->keep.insert(b->keep.end(), linears.begin(), linears.end());
+  for (const auto& lin : linears) b->keep.insert(b->keep.end(), lin.begin(), lin.end());
   std::lock_guard<std::mutex> lock(bound_mutex);
   bound_layers.push_back(std::move(b));
   return static_cast<int64_t>(bound_layers.size()) - 1;
@@ -366,20 +387,32 @@ std::vector<at::Tensor> run_layers(int64_t handle, const at::Tensor& h, const at
   return {last == x.data_ptr<float>() ? x : y, tapped};
 }
 
-// A bound model's ends, for run_pass: embed, its input embeddings float32 [vocab, H]; norm [H] and
-// eps, its final norm; head (packed, bias) and its code bits, its LM head over H inputs.
-void bind_ends(int64_t handle, const at::Tensor& embed, const at::Tensor& norm, double eps,
-               const std::vector<at::Tensor>& head, int64_t head_bits) {
+// A bound model's ends, for run_pass: embed, its input embeddings float32 [vocab, H], or empty with
+// embed_q their int8 kernels' blocks (packed, zeros [vocab]) of kind embed_bits (a row is looked up
+// dequantized); norm [H] and eps, its final norm; head (packed, ..., bias) and its kinds, its LM head
+// over H inputs.
+void bind_ends(int64_t handle, const at::Tensor& embed, const std::vector<at::Tensor>& embed_q, int64_t embed_bits,
+               const at::Tensor& norm, double eps, const std::vector<at::Tensor>& head, int64_t head_bits) {
   std::lock_guard<std::mutex> lock(bound_mutex);
   TORCH_CHECK(handle >= 0 && handle < static_cast<int64_t>(bound_layers.size()) && bound_layers[handle],
               "bind_ends: no such handle");
   BoundLayers& b = *bound_layers[handle];
-  TORCH_CHECK(embed.dim() == 2, "bind_ends: embed [vocab, H]");
-  rows_of_float(embed, b.H), rows_of_float(norm, b.H);
+  rows_of_float(norm, b.H);
+  if (embed_q.empty()) {
+    TORCH_CHECK(embed.dim() == 2, "bind_ends: embed [vocab, H]");
+    rows_of_float(embed, b.H);
+    b.embed = embed.data_ptr<float>(), b.vocab = embed.size(0);
+    b.keep.push_back(embed);
+  } else {
+    const spk::Linear e = linear_of(embed_q, embed_bits, b.H);
+    TORCH_CHECK(e.int8 && e.n_more == 0, "bind_ends: quantized embeddings of one q8 kind");
+    b.embed_q = {e.w.packed, e.w.N, e.w.K, e.w.bits, e.half}, b.vocab = e.N();
+    b.keep.insert(b.keep.end(), embed_q.begin(), embed_q.end());
+  }
   b.head = linear_of(head, head_bits, b.H);
-  b.embed = embed.data_ptr<float>(), b.vocab = embed.size(0), b.norm = norm.data_ptr<float>();
-  b.norm_eps = static_cast<float>(eps), b.ends = true;
-  b.keep.insert(b.keep.end(), {embed, norm, head[0], head[1]});
+  b.norm = norm.data_ptr<float>(), b.norm_eps = static_cast<float>(eps), b.ends = true;
+  b.keep.push_back(norm);
+  b.keep.insert(b.keep.end(), head.begin(), head.end());
 }
 
 // A whole pass of a bound model in one call (bind_ends): each token's embedding, rotary rows from
@@ -418,7 +451,10 @@ std::vector<at::Tensor> run_pass(int64_t handle, const at::Tensor& tokens, const
   const auto options = cos_table.options();
   at::Tensor h = torch::empty({B, T, H}, options), cs = torch::empty({B, T, D}, options), sn = torch::empty({B, T, D}, options);
   for (int64_t i = 0; i < B * T; ++i) {
-    std::memcpy(h.data_ptr<float>() + i * H, b.embed + tok[i] * H, H * sizeof(float));
+    if (b.embed)
+      std::memcpy(h.data_ptr<float>() + i * H, b.embed + tok[i] * H, H * sizeof(float));
+    else
+      spk::q8_dequantize_row(b.embed_q, tok[i], h.data_ptr<float>() + i * H);
     std::memcpy(cs.data_ptr<float>() + i * D, cos_table.data_ptr<float>() + pos[i] * D, D * sizeof(float));
     std::memcpy(sn.data_ptr<float>() + i * D, sin_table.data_ptr<float>() + pos[i] * D, D * sizeof(float));
   }
@@ -726,6 +762,58 @@ std::vector<at::Tensor> q8_quantize(const at::Tensor& x) {
   std::memcpy(d.data_ptr<float>(), a.d.data(), d.numel() * 4);
   std::memcpy(sum.data_ptr<int32_t>(), a.sum.data(), sum.numel() * 4);
   return {q, d, sum};
+}
+
+// A GGUF tensor's blocks (raw uint8 [N, bytes a row], rows of K inputs, ggml type id ``type``)
+// repacked for the int8 kernels (core/gguf.h): uint8 [groups of 16 outputs, bytes a group] of kind
+// gguf_q8_kind(type), written into ``out`` (or, empty, a new tensor).
+at::Tensor gguf_pack(const at::Tensor& raw, int64_t type, int64_t K, at::Tensor out) {
+  const int kind = spk::gguf_q8_kind(static_cast<int>(type));
+  const spk::GGUFBlock blk = spk::gguf_block(static_cast<int>(type));
+  TORCH_CHECK(kind >= 0, "gguf_pack: ggml type ", type, " has no q8 kind");
+  TORCH_CHECK(K > 0 && K % blk.inputs == 0 && K % spk::BLOCK == 0, "gguf_pack: rows of ", K,
+              " inputs are not whole blocks of ", blk.inputs);
+  TORCH_CHECK(raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.dim() == 2 &&
+                  raw.size(1) == K / blk.inputs * blk.bytes,
+              "gguf_pack: raw uint8 [N, ", K / blk.inputs * blk.bytes, "]");
+  const int64_t N = raw.size(0), groups = (N + spk::Q8_GROUP - 1) / spk::Q8_GROUP;
+  if (!out.numel()) out = torch::empty({groups, spk::q8_group_bytes(kind, true, K)}, raw.options());
+  TORCH_CHECK(out.scalar_type() == at::kByte && out.is_contiguous() && out.dim() == 2 && out.size(0) == groups &&
+                  out.size(1) == spk::q8_group_bytes(kind, true, K),
+              "gguf_pack: out uint8 [", groups, ", ", spk::q8_group_bytes(kind, true, K), "]");
+  bool ok = false;
+  {
+    pybind11::gil_scoped_release unlocked;  // seconds for a big model's tensors: other threads go on
+    ok = spk::gguf_pack_q8(static_cast<int>(type), raw.data_ptr<uint8_t>(), N, K, out.data_ptr<uint8_t>(), PARALLEL);
+  }
+  TORCH_CHECK(ok, "gguf_pack: a block's values have no exact form in the int8 kernels' layout");
+  return out;
+}
+
+// The q8 kind (core/q8.h) a ggml type repacks to (core/gguf.h), or -1.
+int64_t gguf_kind(int64_t type) { return spk::gguf_q8_kind(static_cast<int>(type)); }
+
+// Bytes a group of 16 outputs of a ggml type's tensor of K inputs takes repacked (gguf_pack).
+int64_t gguf_group_bytes(int64_t type, int64_t K) {
+  const int kind = spk::gguf_q8_kind(static_cast<int>(type));
+  TORCH_CHECK(kind >= 0, "gguf_group_bytes: ggml type ", type, " has no q8 kind");
+  return spk::q8_group_bytes(kind, true, K);
+}
+
+// Rows ``rows`` (int64) of a q8 weight (packed, zeros [N]) of kind ``bits`` over K inputs, dequantized:
+// float32 [len(rows), K] (each value fma(code, scale, min): the file's own dequantisation).
+at::Tensor q8_dequantize(const std::vector<at::Tensor>& w, int64_t bits, int64_t K, const at::Tensor& rows) {
+  const spk::Linear l = linear_of(w, bits, K);
+  TORCH_CHECK(l.int8 && l.n_more == 0, "q8_dequantize: one q8 weight");
+  const spk::Q8Weights q{l.w.packed, l.w.N, K, l.w.bits, l.half};
+  const at::Tensor r = rows.to(at::kLong).contiguous();
+  auto out = torch::empty({r.numel(), K}, w.back().options());
+  const int64_t* id = r.data_ptr<int64_t>();
+  for (int64_t i = 0; i < r.numel(); ++i) TORCH_CHECK(id[i] >= 0 && id[i] < q.N, "q8_dequantize: row ", id[i], " of ", q.N);
+  at::parallel_for(0, r.numel(), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) spk::q8_dequantize_row(q, id[i], out.data_ptr<float>() + i * K);
+  });
+  return out;
 }
 
 // The ISA branch this build compiled (core/simd.h): "avx512-vnni", "avx512", "avx2", "neon-dotprod",

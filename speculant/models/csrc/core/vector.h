@@ -25,6 +25,9 @@ constexpr int NATIVE = 8;
 constexpr int NATIVE = 4;
 #endif
 constexpr int PARTS = LANES / NATIVE;
+// chunks of 4 int32 lanes' bytes a q8 block's codes come in (q8.h): 4 of 8 inputs (4- to 6-bit), 8 of 4 (8-bit);
+// the first half of them holds the block's inputs 0-15, the second 16-31
+constexpr int q8_chunks(int bits) { return bits == 8 ? 8 : 4; }
 typedef float vn __attribute__((vector_size(NATIVE * sizeof(float))));
 
 template <typename V = vf>

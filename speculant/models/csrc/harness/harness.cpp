@@ -16,6 +16,7 @@
 
 #include "core/accept.h"
 #include "core/eagle.h"
+#include "core/gguf.h"
 #include "core/layer.h"
 
 namespace {
@@ -136,6 +137,90 @@ void linears(Random& rng, bool int8, bool half = false) {
 
 // bits 32: a float32 weight as a model holds it. Its bits in any block width, and those of quant.h's
 // blocks where the weight is their dequantised one (w = fma(code, scale, min)).
+// Random blocks of a GGUF type: random bytes with its float16 fields finite and small (either sign,
+// subnormals included), as quantized.random_gguf_blocks makes them
+std::vector<uint8_t> random_gguf(Random& rng, int type, int64_t N, int64_t K) {
+  const spk::GGUFBlock blk = spk::gguf_block(type);
+  std::vector<uint8_t> raw(N * K / blk.inputs * blk.bytes);
+  for (auto& b : raw) b = static_cast<uint8_t>(rng.next());
+  std::vector<int> halves;
+  switch (type) {
+    case spk::GGML_Q4_1: case spk::GGML_Q5_1: case spk::GGML_Q4_K: case spk::GGML_Q5_K: halves = {0, 2}; break;
+    case spk::GGML_Q2_K: halves = {80, 82}; break;
+    case spk::GGML_Q3_K: halves = {108}; break;
+    case spk::GGML_Q6_K: halves = {208}; break;
+    default: halves = {0};
+  }
+  for (size_t at = 0; at < raw.size(); at += blk.bytes)
+    for (int h : halves) {
+      const uint16_t v = static_cast<uint16_t>((rng.next() % 0x2000) | (rng.next() % 2) << 15);
+      std::memcpy(&raw[at + h], &v, 2);
+    }
+  return raw;
+}
+
+// Every GGUF block type the int8 kernels take: its blocks repacked (core/gguf.h), its rows
+// dequantized, and the int8 linear over them at many widths; q/k/v of two types side by side
+// (Q4_K_M's Q4_K q and k beside a Q6_K v) as one linear
+void gguf_linears(Random& rng) {
+  const int types[] = {spk::GGML_Q4_0, spk::GGML_Q4_1, spk::GGML_Q5_0, spk::GGML_Q5_1, spk::GGML_Q8_0, spk::GGML_Q2_K,
+                       spk::GGML_Q3_K, spk::GGML_Q4_K, spk::GGML_Q5_K, spk::GGML_Q6_K, spk::GGML_IQ4_NL, spk::GGML_IQ4_XS};
+  const int64_t K = 512, M = 11;
+  auto pack = [&](int type, int64_t N) {
+    const auto raw = random_gguf(rng, type, N, K);
+    std::vector<uint8_t> packed((N + 15) / 16 * spk::q8_group_bytes(spk::gguf_q8_kind(type), true, K));
+    if (!spk::gguf_pack_q8(type, raw.data(), N, K, packed.data())) {
+      std::printf("FAIL gguf type %d: not repacked\n", type);
+      ++failures;
+    }
+    return packed;
+  };
+  auto run = [&](const std::string& name, const spk::Linear& l) {
+    const int64_t N = l.N();
+    const auto x = rng.floats(M * K, -2, 2);
+    std::vector<float> alone(M * N);
+    for (int64_t r = 0; r < M; ++r) spk::apply(l, x.data() + r * K, 1, alone.data() + r * N, spk::serial_for);
+    for (int64_t m : {2, 3, 4, 5, 6, 7, 8, 9, 11}) {
+      std::vector<float> y(m * N);
+      spk::apply(l, x.data(), m, y.data(), halves_for);
+      check_rows(name + " rows " + std::to_string(m), y, std::vector<float>(alone.begin(), alone.begin() + m * N));
+    }
+    report(name, alone);
+  };
+  for (int type : types) {
+    const int64_t N = 37;
+    const auto packed = pack(type, N);
+    const int kind = spk::gguf_q8_kind(type);
+    const spk::Q8Weights w{packed.data(), N, K, kind, true};
+    std::vector<float> rows(N * K);
+    for (int64_t n = 0; n < N; ++n) spk::q8_dequantize_row(w, n, rows.data() + n * K);
+    report("gguf type " + std::to_string(type) + " dequantized", rows);
+    const auto bias = rng.floats(N, -1, 1);
+    const spk::Linear l{{packed.data(), N, K, kind}, bias.data(), true, true};
+    run("gguf type " + std::to_string(type) + " int8 linear", l);
+    if (spk::q8_offset(kind)) {  // 5- and 6-bit codes less an offset: the integer sums of 8-bit ones, the same bits
+      const auto raw = random_gguf(rng, type, N, K);
+      const int wide_kind = kind == spk::Q8_D5 ? spk::Q8_D8 : spk::Q8_K8S2;
+      std::vector<uint8_t> narrow(packed.size()), wide((N + 15) / 16 * spk::q8_group_bytes(wide_kind, true, K));
+      spk::gguf_pack_q8(type, raw.data(), N, K, narrow.data());
+      const bool packed_wide = spk::gguf_pack_q8(type, raw.data(), N, K, wide.data(), spk::serial_for, true);
+      const auto x = rng.floats(5 * K, -2, 2);
+      std::vector<float> a(5 * N), b(5 * N);
+      spk::apply(spk::Linear{{narrow.data(), N, K, kind}, bias.data(), true, true}, x.data(), 5, a.data(), spk::serial_for);
+      spk::apply(spk::Linear{{wide.data(), N, K, wide_kind}, bias.data(), true, true}, x.data(), 5, b.data(), spk::serial_for);
+      if (!packed_wide || a != b) {
+        std::printf("FAIL gguf type %d: its %d-bit codes do not give the 8-bit codes' bits\n", type, spk::q8_bits(kind));
+        ++failures;
+      }
+    }
+  }
+  const auto q = pack(spk::GGML_Q4_K, 64), v = pack(spk::GGML_Q6_K, 21);
+  const auto bias = rng.floats(85, -1, 1);
+  spk::Linear qkv{{q.data(), 64, K, spk::Q8_K4}, bias.data(), true, true};
+  qkv.n_more = 1, qkv.more[0] = {v.data(), 21, K, spk::gguf_q8_kind(spk::GGML_Q6_K), true};
+  run("gguf Q4_K beside Q6_K int8 linear", qkv);
+}
+
 void dense_linears(Random& rng) {
   const int64_t shapes[][2] = {{150, 544}, {13, 64}, {96, 1536}};
   for (const auto& s : shapes) {
@@ -468,6 +553,7 @@ int main() {
   linears(rng, true);
   linears(rng, true, true);
   dense_linears(rng);
+  gguf_linears(rng);
   for (const bool long_context : {false, true}) {
     attention<float>(rng, "float32", long_context);
     attention<spk::bf16>(rng, "bfloat16", long_context);

@@ -103,23 +103,38 @@ inline V16 to_float16(const I16& a) {
   for (int i = 0; i < 16; ++i) r.v[i] = static_cast<float>(a.v[i]);
   return r;
 }
+inline V16 load16_i8(const int8_t* p) {  // 16 signed bytes widened (exact)
+  V16 r;
+  for (int i = 0; i < 16; ++i) r.v[i] = static_cast<float>(p[i]);
+  return r;
+}
 
-// For R rows: lane o of out[r] = sum over the block's 32 inputs of code(o, k) * x[r][k], exact.
-// Codes (q8.h's layout): 4-bit, 4 chunks x 16 outputs x 4 bytes (low nibbles inputs 8c + j, high
-// nibbles 8c + 4 + j); 8-bit, 8 chunks x 16 outputs x 4 signed bytes (inputs 4c + j).
-template <int BITS, int R>
+inline I16 minus(const I16& a, int32_t s) {  // each lane less s (an offset's share of the sums)
+  I16 r;
+  for (int i = 0; i < 16; ++i) r.v[i] = a.v[i] - s;
+  return r;
+}
+
+// For R rows: lane o of out[r] = sum over the block's inputs in chunks [C0, C1) of code(o, k) *
+// x[r][k], exact. Codes (q8.h's layout): 4-bit, 4 chunks x 16 outputs x 4 bytes (low nibbles inputs
+// 8c + j, high nibbles 8c + 4 + j); 5- and 6-bit, those nibbles and 1 or 2 planes of their high bits
+// (plane k's byte 16c + o, bit j: bit 4 + k of input 8c + j); 8-bit, 8 chunks x 16 outputs x 4
+// signed bytes (inputs 4c + j).
+template <int BITS, int R, int C0 = 0, int C1 = q8_chunks(BITS)>
 inline void dot_rows(const uint8_t* codes, const int8_t* const* x, const int32_t*, I16* out) {
   for (int r = 0; r < R; ++r)
     for (int o = 0; o < 16; ++o) {
       int32_t sum = 0;
-      if (BITS == 4) {
-        for (int c = 0; c < 4; ++c)
-          for (int j = 0; j < 4; ++j) {
-            const uint8_t b = codes[(c * 16 + o) * 4 + j];
-            sum += (b & 15) * x[r][8 * c + j] + (b >> 4) * x[r][8 * c + 4 + j];
+      if (BITS < 8) {
+        for (int c = C0; c < C1; ++c)
+          for (int j = 0; j < 8; ++j) {
+            const uint8_t b = codes[(c * 16 + o) * 4 + j % 4];
+            int q = j < 4 ? b & 15 : b >> 4;
+            for (int k = 0; k < BITS - 4; ++k) q |= ((codes[256 + 64 * k + 16 * c + o] >> j) & 1) << (4 + k);
+            sum += q * x[r][8 * c + j];
           }
       } else {
-        for (int c = 0; c < 8; ++c)
+        for (int c = C0; c < C1; ++c)
           for (int j = 0; j < 4; ++j) sum += int8_t(codes[(c * 16 + o) * 4 + j]) * x[r][4 * c + j];
       }
       out[r].v[o] = sum;

@@ -124,6 +124,15 @@ inline V16 to_float16(const I16& i) {
   return r;
 }
 
+inline V16 load16_i8(const int8_t* p) {  // 16 signed bytes widened (exact)
+  const int8x16_t b = vld1q_s8(p);
+  const int16x8_t lo = vmovl_s8(vget_low_s8(b)), hi = vmovl_high_s8(b);
+  V16 r;
+  r.q[0] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo))), r.q[1] = vcvtq_f32_s32(vmovl_high_s16(lo));
+  r.q[2] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi))), r.q[3] = vcvtq_f32_s32(vmovl_high_s16(hi));
+  return r;
+}
+
 inline int8x16_t x4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -139,21 +148,51 @@ inline int32x4_t dot4(int32x4_t acc, int8x16_t w, int8x16_t x) {
 #endif
 }
 
-template <int BITS, int R>
+inline I16 minus(const I16& i, int32_t s) {
+  I16 r;
+  for (int k = 0; k < 4; ++k) r.q[k] = vsubq_s32(i.q[k], vdupq_n_s32(s));
+  return r;
+}
+
+// register k (outputs 4k..4k + 3) of chunk c: its low and high nibbles, with 5- and 6-bit codes'
+// high bits from the planes (each output's plane byte spread over its 4 bytes, bit j of it to byte
+// j % 4 of the low nibbles (j < 4) or of the high ones)
+template <int BITS>
+inline void chunk_codes(const uint8_t* codes, int c, int k, int8x16_t& lo, int8x16_t& hi) {
+  const uint8x16_t v = vld1q_u8(codes + 64 * c + 16 * k);
+  uint8x16_t l = vandq_u8(v, vdupq_n_u8(15)), h = vshrq_n_u8(v, 4);
+  if constexpr (BITS > 4) {
+    const uint8_t at = static_cast<uint8_t>(4 * k);
+    const uint8_t spread_bytes[16] = {at, at, at, at, uint8_t(at + 1), uint8_t(at + 1), uint8_t(at + 1), uint8_t(at + 1),
+                                      uint8_t(at + 2), uint8_t(at + 2), uint8_t(at + 2), uint8_t(at + 2),
+                                      uint8_t(at + 3), uint8_t(at + 3), uint8_t(at + 3), uint8_t(at + 3)};
+    const uint8_t low_bytes[16] = {1, 2, 4, 8, 1, 2, 4, 8, 1, 2, 4, 8, 1, 2, 4, 8};
+    const uint8x16_t spread = vld1q_u8(spread_bytes), low_bits = vld1q_u8(low_bytes);
+    const uint8x16_t high_bits = vshlq_n_u8(low_bits, 4);
+    for (int p = 0; p < BITS - 4; ++p) {
+      const uint8x16_t bytes = vqtbl1q_u8(vld1q_u8(codes + 256 + 64 * p + 16 * c), spread);
+      const uint8x16_t add = vdupq_n_u8(static_cast<uint8_t>(16 << p));
+      l = vorrq_u8(l, vandq_u8(vtstq_u8(bytes, low_bits), add));
+      h = vorrq_u8(h, vandq_u8(vtstq_u8(bytes, high_bits), add));
+    }
+  }
+  lo = vreinterpretq_s8_u8(l), hi = vreinterpretq_s8_u8(h);
+}
+
+template <int BITS, int R, int C0 = 0, int C1 = q8_chunks(BITS)>
 inline void dot_rows(const uint8_t* codes, const int8_t* const* x, const int32_t*, I16* out) {
   int32x4_t acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int k = 0; k < 4; ++k) acc[r][k] = vdupq_n_s32(0);
-  if constexpr (BITS == 4) {
-    for (int c = 0; c < 4; ++c)
+  if constexpr (BITS < 8) {  // codes 0..63: signed bytes as they are
+    for (int c = C0; c < C1; ++c)
       for (int k = 0; k < 4; ++k) {
-        const uint8x16_t v = vld1q_u8(codes + 64 * c + 16 * k);
-        const int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(v, vdupq_n_u8(15)));
-        const int8x16_t hi = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));
+        int8x16_t lo, hi;
+        chunk_codes<BITS>(codes, c, k, lo, hi);
         for (int r = 0; r < R; ++r) acc[r][k] = dot4(dot4(acc[r][k], lo, x4(x[r] + 8 * c)), hi, x4(x[r] + 8 * c + 4));
       }
   } else {
-    for (int c = 0; c < 8; ++c)
+    for (int c = C0; c < C1; ++c)
       for (int k = 0; k < 4; ++k) {
         const int8x16_t v = vld1q_s8(reinterpret_cast<const int8_t*>(codes + 64 * c + 16 * k));
         for (int r = 0; r < R; ++r) acc[r][k] = dot4(acc[r][k], v, x4(x[r] + 4 * c));

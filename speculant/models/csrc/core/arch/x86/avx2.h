@@ -92,6 +92,10 @@ struct I16 {
 };
 
 inline V16 to_float16(const I16& i) { return {_mm256_cvtepi32_ps(i.a), _mm256_cvtepi32_ps(i.b)}; }
+inline V16 load16_i8(const int8_t* p) {  // 16 signed bytes widened (exact)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
+}
 
 inline __m256i x4(const int8_t* p) {  // 4 inputs, broadcast to every output's lane
   int32_t v;
@@ -113,16 +117,53 @@ inline void keep_in_registers(__m256i (*sums)[2], int h) {
   for (int r = 0; r < R; ++r) asm("" : "+x"(sums[r][h]));
 }
 
-template <int BITS, int R>
+inline I16 minus(const I16& i, int32_t s) {
+  const __m256i v = _mm256_set1_epi32(s);
+  return {_mm256_sub_epi32(i.a, v), _mm256_sub_epi32(i.b, v)};
+}
+
+// half h (outputs 8h..8h + 7) of chunk c of 5- or 6-bit codes: its low and high nibbles with their
+// high bits from the planes (each output's plane byte spread over its 4 bytes, bit j of it to byte
+// j % 4 of the low nibbles (j < 4) or of the high ones)
+template <int BITS>
+inline void chunk_codes(const uint8_t* codes, int c, int h, __m256i& lo, __m256i& hi) {
+  const __m256i mask = _mm256_set1_epi8(15);
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * c + 32 * h));
+  lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+  const __m256i spread = _mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0C0C0C0C, 0, 0x04040404, 0x08080808, 0x0C0C0C0C);
+  const __m256i low_bits = _mm256_set1_epi32(0x08040201), high_bits = _mm256_set1_epi32(int(0x80402010u));
+  for (int k = 0; k < BITS - 4; ++k) {
+    const __m128i plane = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 256 + 64 * k + 16 * c + 8 * h));
+    const __m256i bytes = _mm256_shuffle_epi8(_mm256_cvtepu8_epi32(plane), spread);
+    const __m256i add = _mm256_set1_epi8(static_cast<char>(16 << k));
+    const __m256i lo_set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, low_bits), low_bits);
+    const __m256i hi_set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, high_bits), high_bits);
+    lo = _mm256_or_si256(lo, _mm256_and_si256(lo_set, add)), hi = _mm256_or_si256(hi, _mm256_and_si256(hi_set, add));
+  }
+}
+
+template <int BITS, int R, int C0 = 0, int C1 = q8_chunks(BITS)>
 inline void dot_rows(const uint8_t* codes, const int8_t* const* x, const int32_t*, I16* out) {
   __m256i acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-  if constexpr (BITS == 4) {
+  if constexpr (BITS == 5 || BITS == 6) {
+    // a chunk's pair sums widened at once (2 of at most 2 * 63 * 127: 32004 < 32768)
+    for (int c = C0; c < C1; ++c)
+      for (int h = 0; h < 2; ++h) {
+        __m256i lo, hi;
+        chunk_codes<BITS>(codes, c, h, lo, hi);
+        for (int r = 0; r < R; ++r)
+          acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(
+              _mm256_add_epi16(_mm256_maddubs_epi16(lo, x4(x[r] + 8 * c)), _mm256_maddubs_epi16(hi, x4(x[r] + 8 * c + 4))),
+              _mm256_set1_epi16(1)));
+        keep_in_registers<R>(acc, h);
+      }
+  } else if constexpr (BITS == 4) {
     // the block's pair sums stay in int16 (8 of at most 2 * 15 * 127: 30480 < 32768), widened once
     const __m256i mask = _mm256_set1_epi8(15);
     __m256i pairs[R][2];
     for (int r = 0; r < R; ++r) pairs[r][0] = pairs[r][1] = _mm256_setzero_si256();
-    for (int c = 0; c < 4; ++c)
+    for (int c = C0; c < C1; ++c)
       for (int h = 0; h < 2; ++h) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * c + 32 * h));
         const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
@@ -134,7 +175,7 @@ inline void dot_rows(const uint8_t* codes, const int8_t* const* x, const int32_t
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < 2; ++h) acc[r][h] = _mm256_madd_epi16(pairs[r][h], _mm256_set1_epi16(1));
   } else {
-    for (int c = 0; c < 8; ++c)
+    for (int c = C0; c < C1; ++c)
       for (int h = 0; h < 2; ++h) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * c + 32 * h));
         const __m256i mag = _mm256_abs_epi8(v);

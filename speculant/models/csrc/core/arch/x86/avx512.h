@@ -86,6 +86,9 @@ struct I16 {
 };
 
 inline V16 to_float16(const I16& i) { return {_mm512_cvtepi32_ps(i.a)}; }
+inline V16 load16_i8(const int8_t* p) {  // 16 signed bytes widened (exact)
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+}
 
 inline __m512i x4(const int8_t* p) {
   int32_t v;
@@ -101,27 +104,49 @@ inline __m512i dot_u8s8(__m512i acc, __m512i u, __m512i s) {
 #endif
 }
 
-template <int BITS, int R>
+inline I16 minus(const I16& a, int32_t s) { return {_mm512_sub_epi32(a.a, _mm512_set1_epi32(s))}; }
+
+// chunk c's codes, its low and its high nibbles, each lane's 4 bytes; 5- and 6-bit codes with their
+// high bits from the planes (each output's plane byte spread over its 4 bytes, bit j of it to byte
+// j % 4 of the low nibbles (j < 4) or of the high ones)
+template <int BITS>
+inline void chunk_codes(const uint8_t* codes, int c, __m512i& lo, __m512i& hi) {
+  const __m512i mask = _mm512_set1_epi8(15);
+  const __m512i v = _mm512_loadu_si512(codes + 64 * c);
+  lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+  if constexpr (BITS > 4) {
+    const __m512i spread = _mm512_set4_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0x00000000);
+    const __m512i low_bits = _mm512_set1_epi32(0x08040201), high_bits = _mm512_set1_epi32(int(0x80402010u));
+    for (int k = 0; k < BITS - 4; ++k) {
+      const __m128i plane = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 256 + 64 * k + 16 * c));
+      const __m512i bytes = _mm512_shuffle_epi8(_mm512_cvtepu8_epi32(plane), spread);
+      const __m512i add = _mm512_set1_epi8(static_cast<char>(16 << k));
+      lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(bytes, low_bits), lo, add);
+      hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(bytes, high_bits), hi, add);
+    }
+  }
+}
+
+template <int BITS, int R, int C0 = 0, int C1 = q8_chunks(BITS)>
 inline void dot_rows(const uint8_t* codes, const int8_t* const* x, const int32_t* sumq, I16* out) {
   __m512i acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
-  if constexpr (BITS == 4) {
-    const __m512i mask = _mm512_set1_epi8(15);
-    for (int c = 0; c < 4; ++c) {
-      const __m512i v = _mm512_loadu_si512(codes + 64 * c);
-      const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+  if constexpr (BITS < 8) {
+    for (int c = C0; c < C1; ++c) {
+      __m512i lo, hi;
+      chunk_codes<BITS>(codes, c, lo, hi);
       for (int r = 0; r < R; ++r) acc[r] = dot_u8s8(dot_u8s8(acc[r], lo, x4(x[r] + 8 * c)), hi, x4(x[r] + 8 * c + 4));
     }
   } else {
 #if defined(__AVX512VNNI__)
     const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
-    for (int c = 0; c < 8; ++c) {
+    for (int c = C0; c < C1; ++c) {
       const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(codes + 64 * c), offset);  // code + 128
       for (int r = 0; r < R; ++r) acc[r] = dot_u8s8(acc[r], u, x4(x[r] + 4 * c));
     }
     for (int r = 0; r < R; ++r) acc[r] = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(128 * sumq[r]));
 #else
-    for (int c = 0; c < 8; ++c) {
+    for (int c = C0; c < C1; ++c) {
       const __m512i v = _mm512_loadu_si512(codes + 64 * c);
       const __m512i mag = _mm512_abs_epi8(v);
       const __mmask64 negative = _mm512_movepi8_mask(v);
@@ -138,9 +163,13 @@ inline void dot_rows(const uint8_t* codes, const int8_t* const* x, const int32_t
 constexpr int Q8_ROWS = 4;
 // a block of 5-8 rows (a γ-4..7 chain's, a tree's) is one tile: 32 registers hold 8 rows' sums. 8-bit
 // weights stop at 6: an 8-row tile of the default target's 8-bit LM head took 1.79 ms against 1.42 as 4 + 4
-constexpr int q8_one_tile_rows(int bits) { return bits == 4 ? 8 : 6; }
+constexpr int q8_one_tile_rows(int bits) { return bits == 8 ? 6 : 8; }  // 5- and 6-bit codes unpack as 4-bit ones do
 // bytes past a block's start a one-row q8 tile asks for (measured on a 2-core Zen 4: 0, 128 and 256 alike, 384 up slower)
+#if defined(SPK_Q8_PREFETCH_AHEAD)  // an experiment's (scripts/q8_widths_ab.py-style builds)
+constexpr int64_t Q8_PREFETCH_AHEAD = SPK_Q8_PREFETCH_AHEAD;
+#else
 constexpr int64_t Q8_PREFETCH_AHEAD = 256;
+#endif
 
 }  // namespace spk
 
