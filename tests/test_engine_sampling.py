@@ -79,11 +79,16 @@ PARAMS = {
 
 
 @pytest.mark.parametrize("params_name", list(PARAMS))
-@pytest.mark.parametrize("kind", ["none", "model", "ngram"])
+@pytest.mark.parametrize("kind", ["none", "model", "ngram", "model+ngram"])
 def test_sampling_matches_target_distribution(kind, params_name):
+    """``model`` stops a row's draft after a token it gives less than its min_confidence (on here);
+    ``model+ngram`` takes the lookup's chain (q one-hot) where it matches strongly."""
+    from speculant.drafters.model import LookupFirstDrafter
+
     params = PARAMS[params_name]
     target = peaked(0)
-    drafter = {"none": NoDrafter(), "ngram": NgramDrafter(), "model": ModelDrafter(peaked(1))}[kind]
+    drafter = {"none": NoDrafter, "ngram": NgramDrafter, "model": lambda: ModelDrafter(peaked(1)),
+               "model+ngram": lambda: LookupFirstDrafter(ModelDrafter(peaked(1)))}[kind]()
     counts, alpha = sample_counts(target, drafter, params, seed=1234)
     pvalue = fit_pvalue(counts, exact_distribution(target, params))
     assert pvalue > 1e-4, f"{kind} {params_name}: chi-square p-value {pvalue:.2e} (acceptance {alpha:.2f})"

@@ -140,11 +140,11 @@ def test_the_row_order_check_can_fail(tmp_path, monkeypatch):
 
 
 @needs_kernel
-@pytest.mark.parametrize("drafter", ["ngram", "suffix", "model"])
+@pytest.mark.parametrize("drafter", ["ngram", "suffix", "model", "model+ngram"])
 def test_speculative_equals_plain_on_a_gguf_read_directly(tmp_path, drafter):
     target = write_tiny_gguf(tmp_path / "target.gguf", Q4_K_M, arch="qwen2", bias=True, layers=3)
     small = write_tiny_gguf(tmp_path / "small.gguf", "Q5_0", arch="qwen2", bias=True, layers=1, seed=1)
-    spec = f"model:{small}" if drafter == "model" else drafter
+    spec = drafter.replace("model", f"model:{small}")
     prompts = ["abc abc abc abc", "Hello, hello, hello, world", "1 2 3 4 1 2 3 4 1 2"]
     plain = speculant.load(str(target), drafter="none", dtype="q8", device="cpu")
     want = [plain.generate(p, max_new_tokens=24, temperature=0.0).token_ids for p in prompts]

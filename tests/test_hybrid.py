@@ -62,10 +62,24 @@ def test_sampling_matches_the_target_distribution(tmp_path):
     assert 0.02 < alpha < 0.98, alpha
 
 
-@pytest.mark.parametrize("spec", ["ngram+ngram", "dflash+ngram", "model:x+ngram", "cascade:ngram,model:x+ngram"])
+@pytest.mark.parametrize("spec", ["ngram+ngram", "dflash+ngram", "cascade:ngram,model:x+ngram"])
 def test_a_chain_drafter_before_plus_ngram_is_refused_in_one_line(spec):
     with pytest.raises(SpeculantError, match="must draft token trees"):
         validate_drafter_spec(spec)
+
+
+def test_a_draft_model_plus_ngram_takes_the_lookup_where_it_matches_strongly():
+    """model:PATH+ngram: a draft model behind the lookup, a chain drafter (not a tree); its texts are
+    plain decoding's (test_invariance, test_gguf_direct) and its samples the target's (test_engine_sampling)."""
+    from speculant.drafters.model import LookupFirstDrafter
+    from speculant.models import LoadedModel
+    from helpers import save_tiny_folder
+
+    target = tiny_llama(0, layers=2)
+    folder = save_tiny_folder(__import__("tempfile").mkdtemp(), layers=1, seed=3)
+    drafter = make_drafter(f"model:{folder}+ngram", LoadedModel(target, None, "tiny"))
+    assert isinstance(drafter, LookupFirstDrafter) and not drafter.makes_trees
+    assert drafter.describe().endswith("+ngram")
 
 
 def test_specs_build_the_hybrid(tmp_path):

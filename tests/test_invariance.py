@@ -387,6 +387,10 @@ def _drafter(kind, target, tmp_path):
         return make_extra(kind, target, 0)
     if kind == "model":
         return ModelDrafter(perturbed(target, 0.3, seed=14))
+    if kind == "model+ngram":
+        from speculant.drafters.model import LookupFirstDrafter
+
+        return LookupFirstDrafter(ModelDrafter(perturbed(target, 0.3, seed=14)))
     if kind == "eagle":
         return load_eagle(_random_eagle_folder(tmp_path, _fp32(target), scale=0.3), target, "tiny")
     if kind == "eagle+ngram":
@@ -407,7 +411,7 @@ def _drafter(kind, target, tmp_path):
 
 
 SPECULATORS_ONLY = ("peagle", "dflash2", "dspark", "xpress")
-KINDS = ["ngram", "ngram:tree", "suffix", "model", "layerskip", "cascade-ngram", "cross-tokenizer", "eagle",
+KINDS = ["ngram", "ngram:tree", "suffix", "model", "model+ngram", "layerskip", "cascade-ngram", "cross-tokenizer", "eagle",
          "eagle+ngram", "dflash", "medusa", "mtp", *SPECULATORS_ONLY]
 # random networks whose drafts are (rightly) all rejected: their blocks are verified all the same
 REJECTED = {"dflash", "mtp", *SPECULATORS_ONLY}

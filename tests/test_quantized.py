@@ -204,8 +204,8 @@ def _tiny_plain() -> list[list[int]]:
 
 def _drafter_for(kind, target, tmp_path):
     drafter = invariance_drafter(kind, target, tmp_path)
-    if kind == "model":  # the perturbed copy would keep the target's quantized weights: its own dense ones
-        del drafter.model.speculant_quantized
+    if kind in ("model", "model+ngram"):  # the perturbed copy would keep the target's quantized weights: its own dense ones
+        del (drafter if kind == "model" else drafter.model).model.speculant_quantized
     return drafter
 
 

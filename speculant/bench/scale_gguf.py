@@ -131,12 +131,12 @@ def measure(path: Path, peers: bool, tokens: int = 48) -> dict:
 
     import psutil
 
-    import speculant
     from ..models import loading
+    from ..tools.loader import load
 
     before = psutil.Process().memory_info().rss
     t0 = time.perf_counter()
-    gen = speculant.load(str(path), drafter="none", dtype="q8", device="cpu")
+    gen = load(str(path), drafter="none", dtype="q8", device="cpu")
     out: dict = {"file": str(path), "file_gb": path.stat().st_size / 1e9, "load_s": time.perf_counter() - t0,
                  "rss_gb_after_load": psutil.Process().memory_info().rss / 1e9,
                  "rss_gb_model": (psutil.Process().memory_info().rss - before) / 1e9,

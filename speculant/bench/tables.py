@@ -98,10 +98,15 @@ def fmt(x, spec: str = ".2f") -> str:
     return DASH if x is None else format(x, spec)
 
 
-def speedup_cell(row: dict, vs: str, tau_prefix: str = "") -> str:
-    """Speedup against ``vs`` ("speculant none" | "hf generate"), and τ where the method drafts."""
-    key = "speedup_vs_speculant_none" if vs == "speculant none" else "speedup_vs_hf_generate"
-    cell = f"{fmt(row[key])}×" if row.get(key) is not None else DASH
+def speedup_cell(row: dict, vs: str, tau_prefix: str = "", base: dict | None = None) -> str:
+    """Speedup against ``vs`` ("speculant none" | "hf generate", or ``base``: the summary row of
+    another method in the same category, a peer runtime's), and τ where the method drafts."""
+    if base is not None:
+        ratio = row["tokens_per_second"] / base["tokens_per_second"] if base.get("tokens_per_second") else None
+        cell = f"{fmt(ratio)}×" if ratio is not None else DASH
+    else:
+        key = "speedup_vs_speculant_none" if vs == "speculant none" else "speedup_vs_hf_generate"
+        cell = f"{fmt(row[key])}×" if row.get(key) is not None else DASH
     if row["drafter"] != "none" and row["mean_accepted_tokens"] is not None:
         cell += f" · {tau_prefix}{row['mean_accepted_tokens']:.2f}"
     return cell
@@ -134,8 +139,11 @@ def bench_table(spec: dict, ctx: dict) -> str:
     extra = spec.get("extra", ["tok/s"])
     head = [spec.get("corner", "method")] + [CATEGORIES.get(c, c) for c in categories] + extra
     body = []
+    vs = spec["vs"]
+    own = vs in ("speculant none", "hf generate")  # else another method of the run (a peer runtime)
     for method, label in spec["methods"]:
-        cells = [speedup_cell(summary_row(rows, method, c, spec["result"]), spec["vs"], spec.get("tau_prefix", ""))
+        cells = [speedup_cell(summary_row(rows, method, c, spec["result"]), vs, spec.get("tau_prefix", ""),
+                              None if own else summary_row(rows, vs, c, spec["result"]))
                  for c in categories]
         everything = summary_row(rows, method, "all", spec["result"])
         body.append([label] + cells + [EXTRA[x](everything) for x in extra])

@@ -15,7 +15,7 @@ from ..models import quantized
 from ..models.backend import Backend
 from ..models.loading import LoadedModel, load_model, resolve_model_path
 from ..sampling import TokenHistory
-from .base import DraftContext, Drafter, Proposal, left_pad, seconds_since
+from .base import DraftContext, Drafter, ListedChains, Proposal, left_pad, seconds_since
 from .cross_tokenizer import CrossTokenizerDrafter
 from .spec import Build, DrafterKind, DrafterSpec
 
@@ -24,7 +24,7 @@ __all__ = ["ModelDrafter", "MODEL", "check_same_tokenizer", "fit_vocab", "left_p
 
 # a draft token the drafter gives less than this ends its row's draft (ModelDrafter._draft): measured on the
 # Qwen2.5-Coder pair (benchmarks/results/cpu-AVX512BF16-2026-12-07-zen5-real-pair/)
-MIN_CONFIDENCE = 0.5
+MIN_CONFIDENCE = 0.3
 
 
 def fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -118,11 +118,15 @@ class ModelDrafter(Drafter):
             self.fed += 1
         if probs is not None and len(probs) < gamma:  # drafting stopped early: unused slots (past every length)
             probs += [probs[-1]] * (gamma - len(probs))
+        self.fed_drafts = drafts[:, : self.fed].tolist()
         return Proposal(drafts, lengths, torch.stack(probs, 1) if probs else None)
 
     def update(self, new_tokens, n_accepted) -> None:
         if self.block_start is not None:
-            keep = torch.tensor([min(n, self.fed) for n in n_accepted], device=self.ctx.device)
+            # the drafts fed into the drafter's cache that the text kept: its leading new tokens (the
+            # accepted drafts, unless a lookup proposed this row's instead: model:PATH+ngram)
+            keep = torch.tensor([_common_prefix(fed, new) for fed, new in zip(self.fed_drafts, new_tokens)],
+                                device=self.ctx.device)
             self.state.rollback(self.block_start + keep)
             self.to_feed = [toks[k:] for toks, k in zip(new_tokens, keep.tolist())]
         else:  # no proposal since the last update (first token, or a pass with γ = 0): the text just grew
@@ -131,7 +135,84 @@ class ModelDrafter(Drafter):
         if self.history is not None:
             self.history.extend(new_tokens)
 
-    row_fields = ("state", "block_start", "to_feed", "history")  # per-row state (PerRow)
+    row_fields = ("state", "block_start", "to_feed", "history", "fed_drafts")  # per-row state (PerRow)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+class LookupFirstDrafter(Drafter):
+    """``model:PATH+ngram``: a row whose text the prompt lookup matches strongly (the n-gram its chain
+    continues is ``STRONG`` tokens long: on the bench's RAG, summaries and agentic answers the copy
+    runs on) takes the lookup's chain, which costs nothing; the others the draft model's (a pass where
+    every row has one skips the model). Both are functions of the accepted text: a lookup draft's q is
+    one-hot, so greedy and sampled verification stay exact. Each chain is graded (0: the model's;
+    1 + n: a lookup's of an n-gram) so γ auto keeps their acceptance apart."""
+
+    STRONG = 3
+
+    def __init__(self, model: ModelDrafter):
+        from .ngram import NgramDrafter
+
+        self.model, self.lookup = model, NgramDrafter()
+        self.name = "model+ngram"
+
+    def describe(self) -> str:
+        return f"{self.model.describe()}+ngram"
+
+    def state_bytes(self, rows: int, tokens: int) -> int:
+        return self.model.state_bytes(rows, tokens)
+
+    @property
+    def catchup_seconds(self) -> float:
+        return self.model.catchup_seconds if self.used_model else 0.0
+
+    def start(self, ctx: DraftContext) -> None:
+        self.ctx, self.used_model = ctx, False
+        self.model.start(ctx)
+        self.lookup.start(ctx)
+
+    @torch.no_grad()
+    def propose(self, gamma: int) -> Proposal:
+        looked = self.lookup.propose(gamma)
+        chains, grades = looked.chains, looked.grades
+        strong = [bool(c) and g >= self.STRONG for c, g in zip(chains, grades)]
+        self.used_model = not all(strong)
+        if not self.used_model:
+            return ListedChains(chains, gamma, self.ctx.device, [1 + g for g in grades])
+        prop = self.model.propose(gamma)
+        if not any(strong):
+            prop.grades = [0] * len(chains)
+            return prop
+        tokens, lengths = prop.tokens.clone(), prop.lengths.clone()
+        probs = None if prop.probs is None else prop.probs.clone()
+        for b, chain in enumerate(chains):
+            if strong[b]:
+                tokens[b, : len(chain)] = torch.tensor(chain, dtype=torch.long, device=tokens.device)
+                lengths[b] = len(chain)
+                if probs is not None:  # a lookup draft is certain: q one-hot
+                    probs[b, : len(chain)] = 0.0
+                    probs[b, torch.arange(len(chain)), tokens[b, : len(chain)]] = 1.0
+        return Proposal(tokens, lengths, probs, grades=[1 + g if s else 0 for g, s in zip(grades, strong)])
+
+    def update(self, new_tokens, n_accepted) -> None:
+        self.lookup.update(new_tokens, n_accepted)
+        self.model.update(new_tokens, n_accepted)
+
+    row_fields = ("model", "lookup")  # per-row state (PerRow): both inner drafters' rows
+
+    def fork(self) -> "LookupFirstDrafter":
+        other = super().fork()
+        other.model, other.lookup = self.model.fork(), self.lookup.fork()
+        return other
+
+    def finish(self) -> None:
+        self.model.finish()
+        self.lookup.finish()
 
 
 def same_vocabulary(target_tok, draft_tok) -> bool:

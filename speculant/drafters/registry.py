@@ -36,7 +36,7 @@ from .eagle import EAGLE
 from .hybrid import HybridDrafter
 from .layerskip import LAYERSKIP
 from .medusa import MEDUSA
-from .model import MODEL
+from .model import MODEL, LookupFirstDrafter, ModelDrafter
 from .mtp import MTP
 from .peagle import PEAGLE
 from .ngram import NGRAM
@@ -185,16 +185,26 @@ class _PlusNgram(DrafterKind):
         if base.endswith(HYBRID) or not base:  # eagle+ngram+ngram: prompt lookup merged once
             raise SpeculantError(f"{shown_spec(text)}: +ngram follows one tree drafter, once (eagle+ngram, medusa+ngram)")
         kind = kind_of(base)
-        if kind is not None and not kind.trees:
+        if kind is not None and not kind.trees and kind.name != "model":
             raise SpeculantError(f"{text!r}: the drafter before +ngram must draft token trees (eagle, medusa, "
-                                 "eagle:DIR, medusa:DIR)")
+                                 "eagle:DIR, medusa:DIR) or be a draft model (model:PATH)")
         return DrafterSpec(text, self.name, parts=(parse_spec(base),))
 
 
 CASCADE = _Cascade("cascade", "cascade:A,B (A: ngram or model:PATH, B: model:PATH or layerskip)", make_cascade,
                    prefix="cascade:")
-PLUS_NGRAM = _PlusNgram("hybrid", "X+ngram (X: a tree drafter, eagle or medusa: its tree and prompt lookup merged)",
-                        lambda spec, b: HybridDrafter(b.part(spec.parts[0])), trees=True)
+def _make_plus_ngram(spec: DrafterSpec, b: Build) -> Drafter:
+    inner = b.part(spec.parts[0])
+    if spec.parts[0].kind == "model":
+        if not isinstance(inner, ModelDrafter):
+            raise SpeculantError(f"{spec.text!r}: model:PATH+ngram needs a draft model with the target's tokenizer")
+        return LookupFirstDrafter(inner)
+    return HybridDrafter(inner)
+
+
+PLUS_NGRAM = _PlusNgram("hybrid", "X+ngram (X: a tree drafter, eagle or medusa: its tree and prompt lookup merged; or "
+                        "model:PATH: the lookup's chain where it matches strongly, else the model's)", _make_plus_ngram,
+                        trees=True)
 
 KINDS: tuple[DrafterKind, ...] = (
     NONE,
