@@ -182,3 +182,16 @@ def test_the_default_target_read_directly_gives_the_dequantised_q8_tokens():
     finally:
         del dense.model.speculant_quantized, dense.model.speculant_int8
     assert got == want
+
+
+@needs_kernel
+def test_a_draft_models_lm_head_is_rounded_to_the_drafters_bits(tmp_path):
+    """A GGUF loaded as a draft model (beside a q8 target) keeps its Q8_0 LM head at
+    quantized.DRAFT_BITS bits (its biggest weight, read every draft); as a target, the file's own."""
+    path = write_tiny_gguf(tmp_path / "small.gguf", "Q8_0", arch="qwen2", bias=True, layers=1)
+    as_target = load_model(str(path), device="cpu", dtype="q8").model.speculant_quantized["lm_head"]
+    as_draft = load_model(str(path), device="cpu", dtype="q8", draft=True).model.speculant_quantized["lm_head"]
+    assert as_target.kinds == [8] and as_draft.kinds == [4] and as_draft.nbytes < 0.7 * as_target.nbytes
+    # the rounding is the drafters' own: within a 4-bit step of the file's values
+    want, got = as_target.dequantize(), as_draft.dequantize()
+    assert (got - want).abs().max() < (want.abs().max() / 7)

@@ -232,7 +232,8 @@ def check_same_tokenizer(target_tok, draft_tok, draft_name: str) -> None:
 
 def load_draft(path: str, target: LoadedModel, device=None, dtype=None) -> LoadedModel:
     """A draft model, on the target's device and in its dtype unless told otherwise (loads are memoised)."""
-    return load_model(path, device=target.device if device is None else device, dtype=dtype or target.model.dtype)
+    return load_model(path, device=target.device if device is None else device, dtype=dtype or target.model.dtype,
+                      draft=dtype == "q8")
 
 
 def _make(spec: DrafterSpec, b: Build) -> Drafter:

@@ -118,6 +118,26 @@ def _floats(t) -> torch.Tensor:
     return torch.from_numpy(values.reshape(-1, int(t.dims[0])).copy())
 
 
+# a draft model's LM head of these types is rounded to quantized.DRAFT_BITS bits (a drafter's head is
+# its biggest single weight: the 0.5B Qwen's Q8_0 output is 145 of its 390 MB packed, read every draft)
+DRAFT_HEAD_TYPES = ("Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K")
+
+
+def _draft_head(head: PackedQ8, rows: int = 4096) -> PackedQ8:
+    """A draft model's LM head rounded to ``quantized.DRAFT_BITS`` bits a weight (float16 scale and min a
+    block of 32, as a drafter network's weights on the kernels are: ``quantized.kernel_linears``),
+    ``rows`` at a time: its drafts change a little, the output does not (they are proposals)."""
+    from .quantized import DRAFT_BITS, QuantLinear, QuantWeight
+
+    n, k = head.shape
+    packed = []
+    for start in range(0, n, rows):
+        part = QuantWeight.quantize(head.dequantize(torch.arange(start, min(n, start + rows))), DRAFT_BITS, halves=True)
+        packed.append(QuantLinear(part, int8=True).args[0].reshape(-(-part.shape[0] // 16), -1))
+    kind = 4 if DRAFT_BITS == 4 else 8  # q8.h's direct kinds: D4, D8
+    return PackedQ8([torch.cat(packed)], [kind], [n], k, f"{head.source} as {DRAFT_BITS}-bit")
+
+
 def _no_hf_forward(*args, **kwargs):
     raise SpeculantError("this model was read straight from its GGUF into the int8 kernels (dtype q8): it runs on "
                          "speculant's fast path only; for Hugging Face's own forward load it with dtype float32")
@@ -144,9 +164,10 @@ class _Pages:
             pass
 
 
-def load_direct(path: Path, folder: Path):
+def load_direct(path: Path, folder: Path, draft: bool = False):
     """(model, tokenizer) of a GGUF read straight into the int8 kernels; ``folder``: where its config and
-    tokenizer are kept."""
+    tokenizer are kept. ``draft``: the model only drafts, and an LM head of more than
+    ``quantized.DRAFT_BITS`` bits a weight (a Q8_0 or Q6_K output) is rounded to them (``_draft_head``)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.generation import GenerationConfig
 
@@ -249,6 +270,8 @@ def load_direct(path: Path, folder: Path):
     pages.give_back(embed.at, embed.data.nbytes)
     head = by_name.get("output.weight")
     weights["lm_head"] = linear_weight(head, None) if head is not None else table
+    if draft and isinstance(weights["lm_head"], PackedQ8) and weights["lm_head"].source in DRAFT_HEAD_TYPES:
+        weights["lm_head"] = _draft_head(weights["lm_head"])
     if head is not None:
         pages.give_back(head.at, head.data.nbytes)
     model.get_output_embeddings().weight = _placeholder(weights["lm_head"].shape)

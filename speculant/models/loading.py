@@ -230,17 +230,18 @@ _LOADED: dict[tuple, LoadedModel] = {}
 
 
 def load_model(spec: str, device: str | torch.device | None = None, dtype=None,
-               device_map: str | dict | None = None) -> LoadedModel:
+               device_map: str | dict | None = None, draft: bool = False) -> LoadedModel:
     """Load a causal LM and its tokenizer (memoised per process: tests and benches load once).
     ``device_map`` ("auto", or accelerate's dict): spread a model too big for one GPU over the
-    GPUs (and CPU) with accelerate; it then runs on the general path."""
+    GPUs (and CPU) with accelerate; it then runs on the general path. ``draft``: the model only
+    drafts (a GGUF read into the int8 kernels keeps its LM head at ``quantized.DRAFT_BITS``)."""
     dev = device if isinstance(device, torch.device) else resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     quantize = dtype in QUANTIZED_MODES
     if quantize:
         _check_quantizable(spec, dtype, dev, device_map)
     if dtype == Q8:
-        direct = _load_direct(resolve_model_path(spec))
+        direct = _load_direct(resolve_model_path(spec), draft)
         if direct is not None:
             return direct
     folder, name = resolve_model_folder(spec)
@@ -266,21 +267,21 @@ def load_model(spec: str, device: str | torch.device | None = None, dtype=None,
     return loaded
 
 
-def _load_direct(path: Path) -> LoadedModel | None:
+def _load_direct(path: Path, draft: bool = False) -> LoadedModel | None:
     """A GGUF read straight into the int8 kernels (``gguf_model``: no float32 copy), memoised like any
     load; None where its architecture is not one the kernels' layers run (it is dequantised then)."""
     from . import gguf_model
 
     check_gguf(path)  # a truncated file: one line, before anything else
     st = path.stat()
-    key = ("gguf-direct", str(path.resolve()), st.st_size, int(st.st_mtime))
+    key = ("gguf-direct", str(path.resolve()), st.st_size, int(st.st_mtime), draft)
     if key in _LOADED:
         return _LOADED[key]
     if not gguf_model.reads_directly(path):
         return None
     _quiet_transformers()
     folder = _gguf_cache_folder(path)
-    model, tokenizer = gguf_model.load_direct(path, folder.with_name(folder.name + "-described"))
+    model, tokenizer = gguf_model.load_direct(path, folder.with_name(folder.name + "-described"), draft)
     _LOADED[key] = LoadedModel(model=model, tokenizer=tokenizer, name=path.stem)
     return _LOADED[key]
 
