@@ -509,10 +509,12 @@ def test_requests_arriving_mid_batch_join_it_and_answer_as_alone(folder):
     sched.on_pass = lambda rows: (sizes.append(rows), record(rows))
     try:
         client = s.client()
+        # the long request's 160 tokens: time enough for the short one to arrive while it runs (with 40 a
+        # fast 2-core machine finished it first now and then)
         alone = [client.completions.create(model="tiny", prompt=p, max_tokens=n, temperature=t, seed=4).choices[0].text
-                 for p, n, t in (("w5 w6 w7", 40, 0), ("w9 w8", 12, 0.8))]
+                 for p, n, t in (("w5 w6 w7", 160, 0), ("w9 w8", 12, 0.8))]
         sizes.clear()
-        long = client.completions.create(model="tiny", prompt="w5 w6 w7", max_tokens=40, temperature=0, stream=True)
+        long = client.completions.create(model="tiny", prompt="w5 w6 w7", max_tokens=160, temperature=0, stream=True)
         first = [next(long)]  # the long request is running
         short = client.completions.create(model="tiny", prompt="w9 w8", max_tokens=12, temperature=0.8, seed=4)
         text_long = "".join(c.choices[0].text for c in first + list(long))
