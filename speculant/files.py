@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import stat
+import tempfile
 from pathlib import Path
 
 from .errors import SpeculantError
@@ -118,3 +120,18 @@ def read_text(path, what: str = "file", limit: int | None = None, hint: str = "g
 
 def as_path(text) -> Path:
     return Path(text).expanduser()
+
+
+def write_folder(folder: Path, fill) -> None:
+    """A folder written whole or not at all: ``fill(tmp)`` writes a temporary folder beside it, which
+    then replaces ``folder`` (a run killed midway leaves no half-written folder to be read later)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
+    try:
+        fill(tmp)
+        if folder.exists():
+            shutil.rmtree(folder)
+        tmp.rename(folder)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

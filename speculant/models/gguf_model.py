@@ -16,9 +16,7 @@ GGUF loads as before (dequantised, ``loading``)."""
 from __future__ import annotations
 
 import mmap
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -82,18 +80,12 @@ def _described_folder(path: Path, folder: Path) -> Path:
     except Exception as e:  # transformers raises many kinds for files it cannot read
         said = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
         raise SpeculantError(f"{files.shown(path)}: its config or tokenizer could not be read ({said})") from None
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
-    try:
+    def fill(tmp: Path) -> None:
         config.save_pretrained(tmp)
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        if folder.exists():
-            shutil.rmtree(folder)
-        tmp.rename(folder)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+
+    files.write_folder(folder, fill)
     print(f"speculant:   read in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     return folder
 

@@ -12,10 +12,8 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
 import struct
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -148,9 +146,7 @@ def _dequantise_gguf(path: Path, folder: Path) -> None:
         why = f": {said[:200]}" if type(e) in (ValueError, KeyError, NotImplementedError) and said else ""
         raise SpeculantError(f"{files.shown(path)} could not be loaded as a GGUF model{why} (an architecture or "
                              "format transformers does not read)") from None
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
-    try:
+    def fill(tmp: Path) -> None:
         config = model.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config  # the saved weights are plain float32
@@ -159,12 +155,8 @@ def _dequantise_gguf(path: Path, folder: Path) -> None:
         save_model(model, str(tmp / "model.safetensors"))
         tokenizer.save_pretrained(tmp)
         (tmp / "speculant-source.json").write_text(json.dumps({"gguf": str(path.resolve())}))
-        if folder.exists():
-            shutil.rmtree(folder)
-        tmp.rename(folder)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+
+    files.write_folder(folder, fill)
 
 
 def check_gguf(path: Path) -> None:
