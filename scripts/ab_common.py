@@ -75,9 +75,10 @@ def base_kernels(rev: str):
     # this tree's flags and defines as ``native.build`` adds them (the vendor's: until 2026-11-30 an
     # Intel CPU's base was built without SPK_CPU_INTEL, so its q8 prefetched as on AMD, 2.4x slower)
     flags = native.FLAGS + native.build_flags()
-    tag = hashlib.sha256(files + " ".join(flags).encode()).hexdigest()[:12]
+    # keyed as this tree's build is (flags, CPU, compiler, Python, torch): no configuration replaces another's
+    name = native.module_name(flags, source=hashlib.sha256(files).hexdigest(), prefix="speculant_kernels_base")
     print(f"building the kernels of {rev} (about a minute)", flush=True)
-    return cpp_extension.load_inline(f"speculant_kernels_base_{tag}", [(src / "kernels.cpp").read_text()],
+    return cpp_extension.load_inline(name, [(src / "kernels.cpp").read_text()],
                                      functions=list(names), extra_cflags=list(flags), extra_ldflags=["-fopenmp"],
                                      extra_include_paths=[str(src)])
 

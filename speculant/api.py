@@ -72,6 +72,19 @@ def check_stops(stop) -> list:
     return [check_stop(x) for x in stop] if _per_row(stop) else check_stop(stop)
 
 
+FLAG_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+def check_flag(value, name: str) -> bool:
+    """A yes/no setting: a bool (or 0 / 1), or one of FLAG_WORDS in any case; anything else is refused
+    (the string "false" is true to Python)."""
+    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in FLAG_WORDS:
+        return FLAG_WORDS[value.strip().lower()]
+    raise SpeculantError(f"{name} must be true or false, got {str(value)[:80]!r}")
+
+
 def check_prompt_ids(prompt_ids) -> list[list[int]]:
     """Prompts as token ids: a list of lists of ints (each checked against the vocabulary later)."""
     if (not isinstance(prompt_ids, (list, tuple))
@@ -152,7 +165,7 @@ class Generator:
             raise SpeculantError("the prompt is empty: give some text to continue")
         check_text(prompt, "the prompt")
         tok = self.tokenizer
-        if chat_template and getattr(tok, "chat_template", None):
+        if check_flag(chat_template, "chat_template") and getattr(tok, "chat_template", None):
             ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
             ids = ids["input_ids"] if hasattr(ids, "keys") else ids
         else:
@@ -253,15 +266,16 @@ class Generator:
 
     def start_batch(self, prompt_ids: list[list[int]], max_new_tokens: list[int], stops: list, gamma=None,
                     seed=None, cancelled=None, speculate: bool = True, row_sampling: list[dict] | None = None,
-                    **sampling) -> Batch:
+                    chunk: int = 0, **sampling) -> Batch:
         """Prefill a batch to be stepped pass by pass (``engine.step``), joined between passes by
         other batches of the same γ setting (``engine.join``: continuous batching) and finished
         (``engine.finish``). A token budget, stop strings and seed per prompt (lists), sampling
         settings per prompt (``row_sampling``), ``cancelled(row) -> bool`` to end a row early;
-        ``speculate=False``: plain decoding through the same engine."""
+        ``speculate=False``: plain decoding through the same engine. With ``chunk``: not the Batch
+        but ``engine.start_steps``' generator, prefilling ``chunk`` prompt tokens a step."""
         req = self._request(prompt_ids, list(max_new_tokens), gamma, seed, [check_stop(x) for x in stops], sampling,
                             cancelled, speculate, row_sampling)
-        return self.engine.start(req)
+        return self.engine.start_steps(req, chunk) if chunk else self.engine.start(req)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import files
 from .errors import SpeculantError
 from .models import gguf_model
 from .sampling import LogitsProcessing, SamplingParams, TokenHistory
@@ -212,18 +213,21 @@ def run_check(gen, prompts: list[str] | None = None, samples: int = 400, max_new
             sampling_check(gen, sample_prompt, samples, sample_tokens, gamma, seed, sampling or {})]
 
 
+PROMPT_FILE_BYTES = 16 << 20  # a prompt file's most bytes: far more prompts than a check runs
+
+
 def read_prompt_file(path: str) -> list[str]:
-    """One prompt a line, or JSONL lines with a "prompt" field (a bench suite)."""
-    try:
-        lines = [line for line in open(path, encoding="utf-8").read().splitlines() if line.strip()]
-    except OSError as e:
-        raise SpeculantError(f"cannot read the prompt file {path!r} ({e.strerror}): give a readable file") from None
+    """One prompt a line, or JSONL lines with a "prompt" field (a bench suite). A FIFO or a device
+    (``/dev/zero``) is refused at once, a file past PROMPT_FILE_BYTES before it is read whole."""
+    text = files.read_text(files.as_path(path), "prompt file", limit=PROMPT_FILE_BYTES,
+                           hint="give a text file of prompts, one a line")
+    lines = [line for line in text.splitlines() if line.strip()]
     out = []
     for line in lines:
         if line.lstrip().startswith("{"):
             try:
                 out.append(str(json.loads(line)["prompt"]))
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, RecursionError):
                 raise SpeculantError(f"{path}: a JSON line without a \"prompt\" string: {line[:60]!r}") from None
         else:
             out.append(line)

@@ -233,7 +233,8 @@ def _add_serve_parser(sub, drafter_help: str) -> None:
     v.add_argument("--model-name", default=None, help="the model id clients send (default: the --target value)")
     v.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
     v.add_argument("--port", type=int, default=8000)
-    v.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ endpoints")
+    v.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ endpoints and "
+                   "/docs (not empty: leave it out to serve without a key)")
     v.add_argument("--max-batch-size", type=int, default=32, help="rows decoded together")
     v.add_argument("--max-queue", type=int, default=256, help="choices waiting before new requests get 429")
     v.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is ended (408)")
@@ -375,7 +376,7 @@ def cmd_serve(args) -> int:
     try:  # the serve extra (fastapi, uvicorn), installed apart
         import uvicorn
 
-        from .server.app import create_app
+        from .server.app import check_api_key, create_app
     except ImportError as e:
         raise SpeculantError(f"speculant serve needs the serve extra ({e.name} is missing): "
                              'pip install "speculant[serve]"') from None
@@ -386,6 +387,7 @@ def cmd_serve(args) -> int:
             ("max_memory",) if args.max_memory is not None else ()):
         if not getattr(args, name) > 0:
             raise SpeculantError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    check_api_key(args.api_key)
     _check_port_free(args.host, args.port)  # before the model loads, not after it
     if args.gamma is not None:
         check_gamma(args.gamma)

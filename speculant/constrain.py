@@ -20,14 +20,18 @@ import json
 import multiprocessing
 import os
 import threading
+import time
 import warnings
+from contextlib import contextmanager
 from array import array
 from typing import Callable
 
 import torch
 
 from .errors import SpeculantError
-from .limits import MAX_SCHEMA_ALTERNATIVES, MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, SCHEMA_SECONDS
+from .schema_keywords import enforceable
+from .limits import (MAX_SCHEMA_ALTERNATIVES, MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, SCHEMA_REQUEST_SECONDS, SCHEMA_SECONDS,
+                     SCHEMA_STATE_SECONDS, SCHEMA_STATE_SHARE)
 
 
 def allowed_tokens_processor(allowed: Callable[[list[int]], list[int]]):
@@ -144,6 +148,49 @@ def within(seconds: float, fn: Callable, what: str):
     return done["value"]
 
 
+class _Watchdog:
+    """Stops a thread's Python work at a deadline: inside ``limit(seconds)``, one daemon thread raises
+    _Late in the watched thread once its deadline passes (at its next Python step), and again every
+    AGAIN seconds while it stays inside (a raise that lands in a garbage collector's callback is
+    swallowed there). Leaving ``limit`` clears a raise that has not landed yet, so none lands outside it."""
+
+    AGAIN = 0.05
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.deadlines: dict[int, float] = {}  # thread id -> when to raise _Late in it (monotonic)
+        self.thread: threading.Thread | None = None
+
+    @contextmanager
+    def limit(self, seconds: float):
+        tid = threading.get_ident()
+        with self.cond:
+            self.deadlines[tid] = time.monotonic() + seconds
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._watch, name="speculant-schema-watch", daemon=True)
+                self.thread.start()
+            self.cond.notify()
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.deadlines.pop(tid, None)
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), None)  # one not landed yet
+
+    def _watch(self) -> None:
+        with self.cond:
+            while True:
+                now = time.monotonic()
+                for tid, deadline in list(self.deadlines.items()):
+                    if deadline <= now:
+                        self.deadlines[tid] = now + self.AGAIN
+                        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), ctypes.py_object(_Late))
+                self.cond.wait(min(self.deadlines.values()) - now if self.deadlines else None)
+
+
+_WATCHDOG = _Watchdog()
+
+
 _PREPARING = threading.Lock()  # one preparation at a time: two would halve each one's time, and the engine's
 
 
@@ -153,22 +200,72 @@ class SchemaProcessor:
     per state, quadratic in the output's length). ``prepare(prompt)`` builds a prompt's first state
     ahead (the server does, in a worker, before the engine sees the request)."""
 
-    def __init__(self, enforcer):
+    def __init__(self, enforcer, end_quietly: bool = False):
         self.enforcer = enforcer
         self.states: dict[tuple[int, bytes], object] = {}
         self.tables: dict[tuple[int, int], object] = {}  # distinct allowed-token tables
+        # the parser's work while the output is written is bounded (speculant.limits): over it the
+        # request fails; ``end_quietly`` (the server) ends its rows with EOS and says why in
+        # ``failed`` (the scheduler tells the client, the batch's other rows go on), else it raises
+        self.end_quietly = end_quietly
+        self.failed: str | None = None
+        self.spent, self.computed = 0.0, 0  # seconds of parser work, states computed
+        self.dead_ends: set[tuple[int, bytes]] = set()  # texts where no token of the model goes on
 
     @staticmethod
     def _key(ids) -> tuple[int, bytes]:
         return len(ids), hashlib.blake2b(array("q", ids).tobytes(), digest_size=16).digest()
 
     def allowed(self, token_ids: list[int]) -> list[int]:
-        """The token ids allowed after ``token_ids`` (the prompt, the output so far, drafts)."""
-        enf = self.enforcer
-        key = self._key(token_ids)
-        state = self.states.get(key)
+        """The token ids allowed after ``token_ids`` (the prompt, the output so far, drafts), each new
+        state computed within the request's budget of parser work."""
+        if self.failed is not None:
+            return self._failed()
+        state = self.states.get(self._key(token_ids))
         if state is not None:
             return state.allowed_tokens.allowed_tokens
+        if not token_ids or self.states.get(self._key(token_ids[:-1])) is None:  # a prompt's: prepare's bound
+            return self._bounded(token_ids, SCHEMA_SECONDS, f"a prompt's first state takes more than {SCHEMA_SECONDS:g} s")
+        left = SCHEMA_REQUEST_SECONDS + SCHEMA_STATE_SHARE * self.computed - self.spent
+        t0 = time.perf_counter()
+        try:
+            if left < SCHEMA_STATE_SECONDS:
+                return self._bounded(token_ids, max(left, 0.0), f"the output needs more parser work than a request "
+                                     f"may take ({SCHEMA_REQUEST_SECONDS:g} s and {SCHEMA_STATE_SHARE * 1000:g} ms a token)")
+            return self._bounded(token_ids, SCHEMA_STATE_SECONDS,
+                                 f"one token needs more than {SCHEMA_STATE_SECONDS:g} s of parser work")
+        finally:
+            self.spent += time.perf_counter() - t0
+            self.computed += 1
+
+    def _bounded(self, token_ids: list[int], seconds: float, over: str) -> list[int]:
+        """_compute stopped after ``seconds``: past them the request has failed (``over`` says how)."""
+        try:
+            with _WATCHDOG.limit(seconds):
+                return self._compute(token_ids)
+        except _Late:
+            self.failed = f"the JSON schema is too costly to follow: {over}; send a simpler one (fewer " \
+                          "alternatives, no recursion through anyOf, simpler patterns)"
+            return self._failed()
+
+    def _failed(self) -> list[int]:
+        if not self.end_quietly:
+            raise SpeculantError(self.failed)
+        return self._eos()
+
+    def _eos(self) -> list[int]:
+        eos = self.enforcer.eos_token_id
+        return list(eos) if isinstance(eos, list) else [eos]
+
+    def dead_end(self, token_ids: list[int]) -> bool:
+        """Whether ``token_ids`` is a text where none of the model's tokens could go on (its row
+        then ended there with EOS: the request has failed)."""
+        return self._key(token_ids) in self.dead_ends
+
+    def _compute(self, token_ids: list[int]) -> list[int]:
+        """The state after ``token_ids`` from its parent's (the prompt's: the parser's first), kept."""
+        enf = self.enforcer
+        key = self._key(token_ids)
         parent = self.states.get(self._key(token_ids[:-1])) if token_ids else None
         if parent is None:  # the prompt: the parser's first state
             state = type(enf).OutputTensorState(parser=enf.root_parser)
@@ -186,7 +283,9 @@ class SchemaProcessor:
         return state.allowed_tokens.allowed_tokens
 
     def prepare(self, prompt: list[int]) -> None:
-        self.allowed(list(prompt))
+        """A prompt's first state, the costly part, outside the budget (its caller bounds it)."""
+        if self.states.get(self._key(list(prompt))) is None:
+            self._compute(list(prompt))
 
     def seed(self, prompt: list[int], table: list[int]) -> None:
         """A prompt's first state with its table computed elsewhere (``prepare`` in a child process)."""
@@ -204,9 +303,33 @@ class SchemaProcessor:
     def __call__(self, token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
         keep = torch.tensor(self.allowed(token_ids), dtype=torch.long, device=logits.device)
         keep = keep[keep < logits.shape[-1]]
+        if not len(keep) and self.end_quietly:  # none of the model's tokens goes on: a row that is here
+            self.dead_ends.add(self._key(token_ids))  # ends (not its batch), and the scheduler says why;
+            keep = torch.tensor(self._eos(), dtype=torch.long, device=logits.device)  # a draft's may never be
+        # (without end_quietly a row that reaches such a text is refused: sampling's check of the processed logits)
         masked = torch.full_like(logits, float("-inf"))
         masked[keep] = logits[keep]
         return masked
+
+
+def _compile_patterns(parser, schema) -> None:
+    """Every ``pattern`` of the schema compiled now, within the preparation's time limit (the library
+    compiles one when the output reaches its string: a slow one there would hold the engine)."""
+    from lmformatenforcer.regexparser import RegexParser
+
+    cache, todo = parser.context.regex_parser_cache, [schema]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            pattern = node.get("pattern")
+            if isinstance(pattern, str) and pattern:  # trimmed as the library's string parser trims it
+                pattern = pattern[1:] if pattern.startswith("^") else pattern
+                pattern = pattern[:-1] if pattern.endswith("$") else pattern
+                if pattern and pattern not in cache:
+                    cache[pattern] = RegexParser(pattern, parser.config)
+            todo.extend(v for k, v in node.items() if k not in ("default", "examples", "const", "enum"))  # values
+        elif isinstance(node, list):
+            todo.extend(node)
 
 
 def _build(data, schema: dict | None, prompts) -> SchemaProcessor:
@@ -216,6 +339,7 @@ def _build(data, schema: dict | None, prompts) -> SchemaProcessor:
 
     try:
         proc = SchemaProcessor(TokenEnforcer(data, JsonSchemaParser(schema)))
+        _compile_patterns(proc.enforcer.root_parser, schema)
         for p in prompts or ():
             proc.prepare(p)
     except _Late:
@@ -233,16 +357,28 @@ def _build(data, schema: dict | None, prompts) -> SchemaProcessor:
     return proc
 
 
+def _held(schema: dict | None) -> dict | None:
+    """The schema rewritten into forms whose every keyword the parser holds (or a SpeculantError
+    naming the one it cannot), checked against the bounds again."""
+    if schema is None:
+        return None
+    held = enforceable(schema)
+    check_schema(held, "the JSON schema, rewritten into the forms the parser holds,")
+    return held
+
+
 def _first_tables(data, schema, prompts, conn) -> None:
-    """In a child process: the prompts' first tables, sent back (or why the schema is refused). It
-    runs at a lower priority than the engine: on a busy machine a pass waits for no schema."""
+    """In a child process: the schema as the parser holds it and the prompts' first tables, sent
+    back (or why the schema is refused). It runs at a lower priority than the engine: on a busy
+    machine a pass waits for no schema."""
     try:
         os.nice(10)
     except (AttributeError, OSError):
         pass
     try:
-        proc = _build(data, schema, prompts)
-        conn.send(("ok", [list(proc.allowed(list(p))) for p in prompts]))
+        held = _held(schema)
+        proc = _build(data, held, prompts)
+        conn.send(("ok", (held, [list(proc.allowed(list(p))) for p in prompts])))
     except SpeculantError as e:
         conn.send(("refused", str(e)))
     except BaseException:  # noqa: BLE001 -- the parent says it in one line
@@ -251,7 +387,7 @@ def _first_tables(data, schema, prompts, conn) -> None:
         conn.close()
 
 
-def _in_child(data, schema, prompts, seconds: float) -> list[list[int]]:
+def _in_child(data, schema, prompts, seconds: float) -> tuple[dict | None, list[list[int]]]:
     """The prompts' first tables computed in a forked child process (the parent's tokenizer data
     shared, copy on write), killed after ``seconds``: its Python work never holds this process's
     GIL, so the engine thread keeps its pace while a schema is prepared."""
@@ -298,13 +434,15 @@ def json_schema_processor(tokenizer, schema: dict | None = None, eos_token_ids=N
     check_schema(schema)
     data = _tokenizer_data(tokenizer, eos_token_ids)  # once per tokenizer, outside the time limit
     prompts = [list(p) for p in prompts or ()]
+    # every keyword held (some rewritten into forms the parser holds) or refused: within the time
+    # limit too (a pattern's automaton can take long to build)
     with _PREPARING:
         if timeout is None:
-            return _build(data, schema, prompts)
+            return _build(data, _held(schema), prompts)
         if prompts and "fork" in multiprocessing.get_all_start_methods():
-            tables = _in_child(data, schema, prompts, timeout)
-            proc = within(timeout, lambda: _build(data, schema, ()), "the JSON schema")
+            held, tables = _in_child(data, schema, prompts, timeout)
+            proc = within(timeout, lambda: _build(data, held, ()), "the JSON schema")
             for p, table in zip(prompts, tables):
                 proc.seed(p, table)
             return proc
-        return within(timeout, lambda: _build(data, schema, prompts), "the JSON schema")
+        return within(timeout, lambda: _build(data, _held(schema), prompts), "the JSON schema")

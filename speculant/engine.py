@@ -220,19 +220,36 @@ class Engine:
         to give each row its first token. Each batch has its own KV state and drafter state
         (the engine's drafter, or a fork of it while another batch holds it), so batches may be
         stepped in any order."""
+        steps = self.start_steps(req)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def start_steps(self, req: Request, chunk: int = 0) -> Iterator[None]:
+        """``start``'s work, the prompts ``chunk`` tokens at a time where that gives the very cache
+        and logits of one prefill (``state.prefills_in_chunks``: q8, each row the same bits at any
+        width; prompts of one length): a generator that yields after each chunk but the last and
+        returns the Batch, so that other batches' passes may run between chunks (a long prompt
+        holds no one). Closed early, it gives back what it took."""
         drafter = self.drafter if not self.drafter_busy else self.drafter.fork()
-        n = len(req.rows)
-        most = req.gamma if isinstance(req.gamma, int) else self._gamma_max(req, drafter)
-        longest = max(len(r.prompt) for r in req.rows)
-        max_tokens = min(longest + max(r.max_new_tokens for r in req.rows), self.context_length) + 2 * most + 2
-        state = self.backend.new_state(n, max_tokens)
+        self.drafter_busy |= drafter is self.drafter  # taken now: a start between this one's chunks forks
+        state = None
         try:
-            return self._prefill(req, state, drafter, most, max_tokens)
-        except BaseException:  # a failed prefill (memory, a drafter's start) gives its cache back
-            self.backend.release(state)
+            most = req.gamma if isinstance(req.gamma, int) else self._gamma_max(req, drafter)
+            longest = max(len(r.prompt) for r in req.rows)
+            max_tokens = min(longest + max(r.max_new_tokens for r in req.rows), self.context_length) + 2 * most + 2
+            state = self.backend.new_state(len(req.rows), max_tokens)
+            return (yield from self._prefill(req, state, drafter, most, max_tokens, chunk))
+        except BaseException:  # a failed or abandoned prefill (memory, a drafter's start) gives back what it took
+            if state is not None:
+                self.backend.release(state)
+            self.drafter_busy &= drafter is not self.drafter
             raise
 
-    def _prefill(self, req: Request, state, drafter: Drafter, most: int, max_tokens: int) -> "Batch":
+    def _prefill(self, req: Request, state, drafter: Drafter, most: int, max_tokens: int,
+                 chunk: int = 0) -> Iterator[None]:
         # before the clock: the backend's first info() proves its kernels' width invariance (~0.3 s
         # once a model on a CPU), no part of a request's time (speculant.load does it while loading)
         backend = self.backend.info()
@@ -262,6 +279,12 @@ class Engine:
         b = Batch(rows=rows, slots=[Slot(i, r.logprobs) for i, r in enumerate(req.rows)], gamma=req.gamma,
                   gamma_max=req.gamma_max, proc=proc, generator=generator, state=state, drafter=drafter,
                   history=history, seeded=SeededRows([r.seed for r in req.rows], dev), control=control, taps=taps)
+        w = tokens.shape[1]
+        if chunk and w > chunk and not taps and bool(valid.all()) and getattr(state, "prefills_in_chunks", bool)():
+            for at in range(0, w - chunk, chunk):  # every chunk but the last: its logits are not needed
+                state.append(tokens[:, at : at + chunk], None, last_only=True)
+                yield
+            tokens, valid = tokens[:, at + chunk :], valid[:, at + chunk :]
         out = state.append(tokens, valid, last_only=True, taps=taps)
         logits, hidden = out if taps else (out, None)
         empty = self._empty(n)
@@ -275,7 +298,6 @@ class Engine:
             r.stats.count_pass(0, 0)
         drafter.start(DraftContext(req.prompts, proc, generator, dev, self.vocab_size, max_tokens, state,
                                    prompt_hidden, b.seeded))
-        self.drafter_busy |= drafter is self.drafter
         return b
 
     def join(self, batch: "Batch", other: "Batch") -> None:

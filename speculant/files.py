@@ -92,6 +92,8 @@ def read_bytes(path, what: str = "file", limit: int | None = None, count: int | 
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise SpeculantError(f"the {what} {shown(path)} is {kind_of(st.st_mode)}, not a regular file: {hint}")
+        if limit is not None and count is None and st.st_size > limit:  # said by its size, not read first
+            raise SpeculantError(f"the {what} {shown(path)} is larger than {limit:,} bytes: give a smaller one")
         want = count if count is not None else (limit + 1 if limit is not None else None)
         chunks, got = [], 0
         while want is None or got < want:

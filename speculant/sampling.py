@@ -282,6 +282,74 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
+class ProcessorError(SpeculantError):
+    """A logits processor's result that cannot be sampled from; ``processors``: the setting's processors
+    (a server can end the rows that use them alone, not their batch)."""
+
+    def __init__(self, message: str, processors: tuple):
+        super().__init__(message)
+        self.processors = processors
+
+
+def _name(fn) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _result(fn, out, row: torch.Tensor) -> torch.Tensor:
+    """A logits processor's result, checked by its type and shape alone (no pass over its values:
+    this runs for every scored position)."""
+    if isinstance(out, torch.Tensor) and out.shape == row.shape and out.is_floating_point():
+        return out
+    if isinstance(out, torch.Tensor):
+        got = f"a {str(out.dtype).removeprefix('torch.')} tensor of shape {list(out.shape)}"
+    else:
+        got = "None" if out is None else f"a {type(out).__name__}"
+    raise ProcessorError(f"the logits processor {_name(fn)} returned {got}: it must return the logits, a float "
+                         f"tensor of shape {list(row.shape)}", (fn,))
+
+
+def _check_processed(flat: torch.Tensor, given: torch.Tensor, ids: list, fns) -> None:
+    """Every processed position that can give a token allows one, and none is NaN: one reduction
+    over the positions a call (the rest runs only where one fails). A position where every logit
+    is -inf is refused where its text can be reached: every token on its way from the row's first
+    position in this call allowed there (after a draft the processors refuse, as a token tree's or
+    prompt lookup's may be, nothing is ever read: it is never accepted)."""
+    top = flat.amax(-1)  # NaN where a logit is NaN, -inf where every one is
+    if bool((top > float("-inf")).all()):
+        return
+    who = f"the logits processor {_name(fns[0])}" if len(fns) == 1 else \
+        f"one of the logits processors ({', '.join(_name(f) for f in fns)})"
+    nan = top.isnan().nonzero().flatten().tolist()
+    if nan:
+        i = nan[0]
+        if bool(given.reshape(flat.shape)[i].isnan().any()):
+            raise SpeculantError(f"the model's logits hold NaN (after {len(ids[i])} tokens): the model's weights "
+                                 "or dtype overflow; try dtype float32")
+        raise ProcessorError(f"{who} returned NaN logits (after {len(ids[i])} tokens): return -inf for a "
+                             "token not allowed, never NaN", tuple(fns))
+    block = given.shape[1] if given.dim() > 2 else 1  # positions a row: [B, T, V] or [B, V]
+    for i in (top == float("-inf")).nonzero().flatten().tolist():
+        if _reachable(i, flat, ids, block):
+            raise ProcessorError(f"the logits processors left no token allowed after {len(ids[i])} tokens (every "
+                                 f"logit -inf): {who} must allow at least one token after every text it allows",
+                                 tuple(fns))
+
+
+def _reachable(i: int, flat: torch.Tensor, ids: list, block: int) -> bool:
+    """Whether position i's text is reached from its row's first position in this call by tokens
+    the processed logits allow (a parent position's text is i's less its last token)."""
+    start = i - i % block
+    while True:
+        mine = ids[i]
+        parent = next((j for j in range(start, start + block)
+                       if len(ids[j]) == len(mine) - 1 and ids[j] == mine[:-1]), None)
+        if parent is None:
+            return True
+        if not bool(flat[parent, mine[-1]] > float("-inf")):
+            return False
+        i = parent
+
+
 class _OneSetting:
     """Processing by one SamplingParams, for any batch."""
 
@@ -307,7 +375,8 @@ class _OneSetting:
         flat = logits.reshape(-1, logits.shape[-1]).clone()
         for i, ids in enumerate(ctx.token_ids):
             for fn in self.params.logits_processors:
-                flat[i] = fn(ids, flat[i])
+                flat[i] = _result(fn, fn(ids, flat[i]), flat[i])
+        _check_processed(flat, logits, ctx.token_ids, self.params.logits_processors)
         return flat.reshape(logits.shape)
 
     def scores(self, logits: torch.Tensor, ctx: Context | None) -> torch.Tensor:

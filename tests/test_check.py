@@ -63,7 +63,7 @@ def test_cli_check_on_a_model_folder(tmp_path, capsys):
     (["--samples", "0"], "--samples must be >= 1"),
     (["--gamma", "auto"], "must be a fixed integer"),
     (["--top-p", "1.5"], "top-p must be in (0, 1]"),
-    (["--prompts", "/nonexistent/prompts.txt"], "cannot read the prompt file"),
+    (["--prompts", "/nonexistent/prompts.txt"], "the prompt file '/nonexistent/prompts.txt' does not exist"),
     (["--target", "/nonexistent/model"], "does not exist"),
 ])
 def test_cli_check_bad_input_is_one_line(args, message, capsys):

@@ -13,7 +13,8 @@ ROOT = Path(speculant.__file__).parent
 
 # lowest first; a module belongs to the longest prefix that names it (``speculant`` alone: the package)
 LAYERS = [
-    ("base", ["speculant.errors", "speculant.files", "speculant.limits", "speculant.rows", "speculant.version"]),
+    ("base", ["speculant.errors", "speculant.files", "speculant.limits", "speculant.rows", "speculant.version",
+              "speculant.schema_keywords"]),
     ("kernels", ["speculant.sampling", "speculant.verify", "speculant.tree", "speculant.constrain"]),
     ("models", ["speculant.models"]),
     ("trained networks", ["speculant.trained"]),
@@ -23,7 +24,8 @@ LAYERS = [
     ("api", ["speculant.api"]),
     ("tools", ["speculant.tools", "speculant.check", "speculant.export", "speculant.bench"]),
     ("server", ["speculant.server"]),
-    ("entry points", ["speculant", "speculant.cli", "speculant.__main__", "speculant.bench.serve_load"]),
+    ("entry points", ["speculant", "speculant.cli", "speculant.__main__", "speculant.bench.serve_load",
+                      "speculant.bench.hostile_load"]),
 ]
 # optional extras: a module that needs one that is not installed is left out of the import check
 EXTRAS = {"fastapi", "starlette", "uvicorn", "prometheus_client", "pydantic", "lmformatenforcer", "openai",

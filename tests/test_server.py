@@ -336,7 +336,7 @@ def test_scheduler_groups_compatible_jobs_and_refuses_past_its_queue():
             return []
 
     gen = Recorder()
-    sched = Scheduler(gen, max_batch_size=2, max_queue=4)
+    sched = Scheduler(gen, max_batch_size=2, max_queue=4, max_batches=1)
     sink = lambda ev: None  # noqa: E731
     try:
         sched.submit([Job([0], 1, sink, group="a")])
@@ -353,9 +353,10 @@ def test_scheduler_groups_compatible_jobs_and_refuses_past_its_queue():
 
 
 def test_scheduler_joins_only_while_no_other_group_waits_ahead_and_a_failed_joiner_fails_alone():
-    """A running batch takes waiting jobs of its group between passes, but not past a job of another
-    group that waits ahead of them (first come, first served: that job's batch starts when this one
-    drains); a joiner whose prefill fails gets the error, the running rows go on."""
+    """With one batch at a time (``max_batches=1``), a running batch takes waiting jobs of its group
+    between passes, but not past a job of another group that waits ahead of them (first come, first
+    served: that job's batch starts when this one drains); a joiner whose prefill fails gets the
+    error, the running rows go on."""
     events = []
 
     class Passes:
@@ -404,7 +405,7 @@ def test_scheduler_joins_only_while_no_other_group_waits_ahead_and_a_failed_join
 
     got = {}
     gen = Passes()
-    sched = Scheduler(gen, max_batch_size=8, max_queue=8)
+    sched = Scheduler(gen, max_batch_size=8, max_queue=8, max_batches=1)
     sink = lambda name: (lambda ev: got.setdefault(name, ev))  # noqa: E731
     try:
         sched.submit([Job([0], 1, sink(0), group="a")])

@@ -10,7 +10,10 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from .. import files
 from ..errors import SpeculantError
+
+PROMPT_FILE_BYTES = 64 << 20  # a suite's most bytes (the shipped one: ~10 KB)
 
 
 @dataclass(frozen=True)
@@ -27,26 +30,28 @@ def default_prompts_path() -> Path:
 def read_prompts(path: str | Path | None = None) -> list[BenchPrompt]:
     """Read a prompt suite (the shipped one when ``path`` is None). Blank lines are skipped."""
     path = Path(path) if path is not None else default_prompts_path()
-    if not path.is_file():
-        raise SpeculantError(f"prompt file '{path}' does not exist: give a .jsonl file with one {{\"prompt\", \"category\"}} object a line")
+    # a FIFO or a device is said to be one, a file too large refused before it is read whole
+    text = files.read_text(path, "prompt file", limit=PROMPT_FILE_BYTES,
+                           hint='give a .jsonl file with one {"prompt", "category"} object a line')
     prompts: list[BenchPrompt] = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}, line {number}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SpeculantError(f"{where}: not valid JSON ({e.msg}): write one JSON object a line") from None
-            if not isinstance(obj, dict):
-                raise SpeculantError(f"{where}: expected a JSON object like {{\"prompt\": \"...\", \"category\": \"...\"}}")
-            prompt, category = obj.get("prompt"), obj.get("category")
-            if not isinstance(prompt, str) or not prompt.strip():
-                raise SpeculantError(f"{where}: \"prompt\" is missing or not a non-empty string")
-            if not isinstance(category, str) or not category.strip():
-                raise SpeculantError(f"{where}: \"category\" is missing or not a non-empty string")
-            prompts.append(BenchPrompt(len(prompts), category.strip(), prompt))
+    for number, line in enumerate(text.replace("\r\n", "\n").replace("\r", "\n").split("\n"), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}, line {number}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SpeculantError(f"{where}: not valid JSON ({e.msg}): write one JSON object a line") from None
+        except RecursionError:
+            raise SpeculantError(f"{where}: JSON nested too deeply to read: write one flat object a line") from None
+        if not isinstance(obj, dict):
+            raise SpeculantError(f"{where}: expected a JSON object like {{\"prompt\": \"...\", \"category\": \"...\"}}")
+        prompt, category = obj.get("prompt"), obj.get("category")
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise SpeculantError(f"{where}: \"prompt\" is missing or not a non-empty string")
+        if not isinstance(category, str) or not category.strip():
+            raise SpeculantError(f"{where}: \"category\" is missing or not a non-empty string")
+        prompts.append(BenchPrompt(len(prompts), category.strip(), prompt))
     if not prompts:
         raise SpeculantError(f"prompt file '{path}' has no prompts")
     return prompts

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..errors import SpeculantError
+from ..errors import SpeculantError, check_writable
 from ..server.background import BackgroundServer
 from ..tools.loader import load
 from .prompts import read_prompts
@@ -134,16 +134,24 @@ def main(argv=None) -> int:
               "--warmup-waves >= 0",
               file=sys.stderr)
         return 2
+    return run_and_write("serve_load", run, args, "serve_load.json")
+
+
+def run_and_write(prog: str, run, args, name: str) -> int:
+    """``run(args)``, its result written as ``name`` in the folder ``args.out`` (checked before the
+    run's minutes, not when it is written); a SpeculantError one line. The exit status."""
     try:
+        if args.out:
+            check_writable(args.out)
         result = run(args)
     except SpeculantError as e:
-        print(f"serve_load: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "serve_load.json").write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {out / 'serve_load.json'}", file=sys.stderr)
+        (out / name).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {out / name}", file=sys.stderr)
     return 0
 
 

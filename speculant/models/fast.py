@@ -792,6 +792,12 @@ class StaticKVState(PerRow):
             return stack(outs)
         return stack([o[0] for o in outs]), stack([o[1] for o in outs])
 
+    def prefills_in_chunks(self) -> bool:
+        """Whether prompts appended a chunk at a time give the very cache and logits of one prefill:
+        where the prefill is the passes' own forward (q8: every prompt runs the int8 kernels, each
+        row the same bits at any width, its keys read back from the cache as they were written)."""
+        return self.fast.int8 and self.fast.pass_set.layer_fn is quantized_layer and self.step == self.fast.forward
+
     def rollback(self, lengths: torch.Tensor) -> None:
         self.ptr = torch.minimum(self.ptr, lengths.to(self.ptr.device))
 

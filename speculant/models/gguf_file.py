@@ -13,6 +13,11 @@ from ..errors import SpeculantError
 
 
 _GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # value type -> bytes
+MAX_ARRAY_DEPTH = 16  # arrays of arrays a metadata value may nest (llama.cpp writes 1 or 2)
+
+
+class TooDeep(ValueError):
+    """Metadata arrays nested past MAX_ARRAY_DEPTH (stepping over them would recurse without end)."""
 
 
 class GGUFTable:
@@ -36,13 +41,15 @@ class GGUFTable:
         self.skip(n)
         return bytes(self.m[self.at - n : self.at])
 
-    def value(self, kind: int):
+    def value(self, kind: int, depth: int = 0):
         """One metadata value: scalars and strings returned, arrays skipped (None)."""
         if kind in _GGUF_SCALARS:
             return self.take({1: "B", 2: "H", 4: "I", 8: "Q"}[_GGUF_SCALARS[kind]])
         if kind == 8:
             return self.string()
         if kind == 9:
+            if depth >= MAX_ARRAY_DEPTH:
+                raise TooDeep(f"arrays nested more than {MAX_ARRAY_DEPTH} deep")
             item, count = self.take("I"), self.take("Q")
             if item in _GGUF_SCALARS:
                 self.skip(count * _GGUF_SCALARS[item])
@@ -50,16 +57,15 @@ class GGUFTable:
                 raise struct.error("an array longer than the file")
             else:
                 for _ in range(count):
-                    self.value(item)
+                    self.value(item, depth + 1)
             return None
         raise ValueError(f"unknown metadata type {kind}")
 
 
 def incomplete(path: Path, size: int):
-    """The one-line error, by its reason, for a file that is not a whole GGUF."""
-    def bad(why: str) -> SpeculantError:
-        return SpeculantError(f"{files.shown(path)} is not a complete GGUF file ({size:,} bytes: {why}): "
-                              "give the whole file")
+    """The one-line error, by its reason, for a file that is not a whole GGUF (``lead``: what it is not)."""
+    def bad(why: str, lead: str = "a complete GGUF file", fix: str = "give the whole file") -> SpeculantError:
+        return SpeculantError(f"{files.shown(path)} is not {lead} ({size:,} bytes: {why}): {fix}")
     return bad
 
 
@@ -75,7 +81,11 @@ def _gguf_table(r: GGUFTable, bad, scalars: dict | None = None) -> tuple[int, li
     align = 32
     for _ in range(kvs):
         key, kind = r.string(), r.take("I")
-        v = r.value(kind)
+        try:
+            v = r.value(kind)
+        except TooDeep as e:
+            raise bad(f"its metadata {key.decode('utf-8', 'replace')[:80]!r} holds {e}", "a GGUF file speculant reads",
+                      "give a GGUF file llama.cpp's converter wrote") from None
         if key == b"general.alignment" and isinstance(v, int) and v > 0:
             align = v
         if scalars is not None and v is not None:

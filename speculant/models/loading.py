@@ -84,7 +84,7 @@ def resolve_device(device: str | None) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(device)
-    except RuntimeError:
+    except (RuntimeError, TypeError, ValueError):
         raise SpeculantError(f"unknown device {device!r}: use cpu, cuda or cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise SpeculantError(f"device {device!r} asked for, but no CUDA GPU is available here: use --device cpu")
@@ -92,6 +92,9 @@ def resolve_device(device: str | None) -> torch.device:
         raise SpeculantError(f"device {device!r} asked for, but only {torch.cuda.device_count()} GPU(s) exist")
     if dev.type not in ("cpu", "cuda", "mps"):
         raise SpeculantError(f"unsupported device {device!r}: use cpu or cuda")
+    if dev.type in ("cpu", "mps") and dev.index not in (None, 0):  # torch takes any index, and runs on the one
+        raise SpeculantError(f"device {device!r} does not exist: there is one {dev.type} device, '{dev.type}' "
+                             f"(or '{dev.type}:0')")
     return dev
 
 
@@ -182,6 +185,26 @@ def check_gguf(path: Path) -> None:
         raise bad("truncated: its tensors' data runs past its end" if ends else "no tensors")
 
 
+CONFIG_BYTES = 16 << 20  # a model's config.json is a few KB
+
+
+def check_config(path: Path) -> None:
+    """A model folder's config.json read as transformers will: JSON text holding an object (a list,
+    a file too large, or nesting deeper than Python's parser follows is one line naming it here,
+    not a traceback from inside transformers)."""
+    text = files.read_text(path, "model config", limit=CONFIG_BYTES, hint="give the model's own config.json")
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SpeculantError(f"{files.shown(path)} is not valid JSON (line {e.lineno}: {e.msg}): "
+                             "give the model's own config.json") from None
+    except RecursionError:
+        raise SpeculantError(f"{files.shown(path)} is nested too deeply to read: give the model's own config.json") from None
+    if not isinstance(cfg, dict):
+        raise SpeculantError(f"{files.shown(path)} holds a JSON {type(cfg).__name__}, not an object of model "
+                             "settings: give the model's own config.json")
+
+
 def resolve_model_path(spec: str) -> Path:
     """A model spec -> the folder or .gguf file it names; a clear error if it is neither (a FIFO, a
     device, an unreadable file or a name too long: one line naming it, nothing blocks)."""
@@ -198,6 +221,7 @@ def resolve_model_path(spec: str) -> Path:
     if files.is_dir(path, "model path"):
         if not files.is_regular(path / "config.json", "model path"):
             raise SpeculantError(f"{files.shown(path)} is not a Hugging Face model folder (it has no config.json)")
+        check_config(path / "config.json")
     elif not _is_gguf(path):
         raise SpeculantError(
             f"{files.shown(path)} is not a model: expected a Hugging Face model folder (with config.json) or a .gguf file"
@@ -227,7 +251,7 @@ def load_model(spec: str, device: str | torch.device | None = None, dtype=None,
     ``device_map`` ("auto", or accelerate's dict): spread a model too big for one GPU over the
     GPUs (and CPU) with accelerate; it then runs on the general path. ``draft``: the model only
     drafts (a GGUF read into the int8 kernels keeps its LM head at ``quantized.DRAFT_BITS``)."""
-    dev = device if isinstance(device, torch.device) else resolve_device(device)
+    dev = resolve_device(device)  # a torch.device too: checked as a name is
     dt = resolve_dtype(dtype, dev)
     quantize = dtype in QUANTIZED_MODES
     if quantize:
@@ -247,8 +271,9 @@ def load_model(spec: str, device: str | torch.device | None = None, dtype=None,
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         placed = {"device_map": device_map} if device_map is not None else {}
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dt, local_files_only=True, **placed)
-    except (OSError, ValueError, KeyError) as e:
-        raise SpeculantError(f"'{spec}' could not be loaded as a causal language model: {str(e).splitlines()[0]}") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:  # a config of odd values
+        said = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        raise SpeculantError(f"'{spec}' could not be loaded as a causal language model: {said}") from None
     if device_map is None:
         model.to(dev)
     model.eval()

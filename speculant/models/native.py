@@ -6,8 +6,9 @@ one module holds every CPU kernel (attention, quantized linears, a decoder layer
 ``-march=native`` (this CPU's vectors and fused multiply-adds, which pick the ISA branch),
 ``-ffp-contract=off`` (every multiply-add the code does not ask to fuse stays two IEEE operations,
 so every ISA branch gives the same bits) and OpenMP (at::parallel_for's threads). PyTorch keeps
-the build under its extensions folder, named per source, flags and CPU, so a home folder shared by
-machines of other CPUs never loads one built elsewhere. Where no compiler is at hand, or a build
+the build under its extensions folder, named per source, flags, CPU and toolchain (``module_name``), so
+a home folder shared by machines of other CPUs never loads one built elsewhere, and builds of other
+configurations sit side by side instead of replacing one another. Where no compiler is at hand, or a build
 fails, ``build`` says so once and returns None: the callers fall back to PyTorch ops.
 """
 from __future__ import annotations
@@ -16,6 +17,9 @@ import contextlib
 import functools
 import hashlib
 import os
+import platform
+import shlex
+import subprocess
 import sys
 import threading
 import time
@@ -25,6 +29,7 @@ from .. import sampling, verify
 from .cpu_kernels import cpu_key
 
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
 CSRC = Path(__file__).parent / "csrc"
 FUNCTIONS = ("attend", "quant_linear", "layer_start", "layer_end", "layer", "bind_layers", "unbind_layers", "run_layers",
              "bind_ends", "run_pass",
@@ -127,6 +132,51 @@ def start_building() -> None:
     threading.Thread(target=build, name="speculant-kernels-build", daemon=True).start()
 
 
+@functools.cache
+def _compiler_version(cxx: str) -> str:
+    """``cxx --version``'s first line ('' where it does not answer)."""
+    try:
+        said = subprocess.run([*shlex.split(cxx), "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return ""
+    return (said.splitlines() or [""])[0]
+
+
+def _cpu() -> str:
+    """The CPU ``-march=native`` compiles for: its model and feature flags (two VMs of one model may
+    show different ones), or ``cpu_key`` where /proc/cpuinfo is not there."""
+    flags = _cpu_flags()
+    if not flags:
+        return cpu_key()
+    return "|".join([platform.machine(), _cpuinfo("model name", "CPU part"), " ".join(sorted(flags))])
+
+
+def toolchain() -> str:
+    """What besides the sources and flags changes the built module: the compiler PyTorch runs
+    ($CXX, else c++) and its version, Python's version and headers, torch's version and install."""
+    import sysconfig
+
+    import torch
+    from torch.utils import cpp_extension
+
+    cxx = cpp_extension.get_cxx_compiler() if hasattr(cpp_extension, "get_cxx_compiler") else \
+        os.environ.get("CXX", "c++")
+    return "|".join([cxx, _compiler_version(cxx), sys.version, sysconfig.get_paths()["include"], torch.__version__,
+                     str(Path(torch.__file__).parent)])
+
+
+def module_name(flags, source: str | None = None, prefix: str = "speculant_kernels") -> str:
+    """The kernels module's name, keyed by everything its build depends on: the sources (csrc/'s,
+    or ``source``), the flags (``$SPECULANT_CPU_ISA``'s and the vendor's defines among them), the CPU,
+    the sources' folder, the toolchain. PyTorch builds each name in a folder of its own, so other
+    configurations (an ISA forced, another compiler or Python, two installs) sit side by side
+    instead of replacing one another's module and rebuilding in turn; the same configuration always
+    gets the same name, and loads what it built before."""
+    key = "\n".join([sources() if source is None else source, " ".join(flags), " ".join(LDFLAGS), _cpu(),
+                     str(CSRC.resolve()), toolchain()])
+    return f"{prefix}_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
 _built = None  # the first kernels module this process built (``built``)
 
 
@@ -141,13 +191,8 @@ def _build(isa: tuple[str, ...]):
     try:
         from torch.utils import cpp_extension  # a fifth of a second to import: only to build a kernel
 
-        import torch
-
         all_flags = list(FLAGS + isa)
-        # everything the build command holds is in the name (the sources' folder too: two installs of
-        # speculant with one name would rebuild in turn, each command replacing the other's module)
-        key = sources() + " ".join(all_flags) + cpu_key() + str(CSRC.resolve()) + torch.__version__
-        name = f"speculant_kernels_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+        name = module_name(all_flags)  # everything the build depends on is in the name
         # PyTorch builds in $TORCH_EXTENSIONS_DIR/<name>, else in <default root>/<python, cuda>/<name>
         root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
         with build_lock(root, name):
@@ -155,7 +200,7 @@ def _build(isa: tuple[str, ...]):
                 print("speculant: building the CPU kernels for this machine (once, about a minute)", file=sys.stderr,
                       flush=True)
             module = cpp_extension.load_inline(name, [(CSRC / "kernels.cpp").read_text()], functions=list(FUNCTIONS),
-                                               extra_cflags=all_flags, extra_ldflags=["-fopenmp"],
+                                               extra_cflags=all_flags, extra_ldflags=list(LDFLAGS),
                                                extra_include_paths=[str(CSRC)], verbose=False)
         sampling.use_compiled_argmax(module.argmax)  # greedy decoding's (any ISA's build: the same indices)
         verify.use_compiled_greedy_accept(module.greedy_accept)

@@ -22,6 +22,7 @@ import hmac
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib import resources
 
@@ -31,6 +32,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..api import free_memory
+from ..errors import SpeculantError
 from ..limits import SCHEMA_SECONDS, SERVER_MEMORY_SHARE
 from . import prepare
 from .metrics import Metrics
@@ -42,6 +44,11 @@ from .streaming import Call, gather, stream_events
 log = logging.getLogger("speculant.server")
 
 MAX_BODY_BYTES = 4 * 2**20  # a request body's most bytes by default (--max-body-mib): far more than a context of text
+# what --api-key guards: the API, and FastAPI's pages describing it (they list every endpoint and field)
+KEYED = ("/v1/", "/docs", "/redoc", "/openapi.json")
+SCHEMA_WORKERS = 1  # schema preparations at once (each may take a core for schema_seconds)
+MAX_SCHEMAS_WAITING = 4  # preparations queued or running; past them a request with a schema gets a 429
+STALLED_SECONDS = 30.0  # /health says 503 when a batch runs and no pass of it has ended for this long
 
 
 @dataclass
@@ -57,6 +64,8 @@ class Server:
     max_body_bytes: int
     memory_budget: int  # bytes, for all requests together
     schema_seconds: float  # the most a JSON schema's preparation may take
+    schema_pool: ThreadPoolExecutor  # where schemas are prepared: never the threads that read requests
+    schemas_waiting: int = 0  # preparations queued or running there
 
 
 def default_memory_budget(generator) -> int:
@@ -73,16 +82,18 @@ def create_app(generator, model_name: str = "default", api_key: str | None = Non
     All requests together may hold ``max_memory`` bytes (default: ``default_memory_budget``), one
     request ``generator.memory_budget`` of them; a body may be ``max_body_bytes`` long; a JSON schema
     may take ``schema_seconds`` to prepare."""
+    check_api_key(api_key)
     budget = int(max_memory) if max_memory is not None else default_memory_budget(generator)
-    sched = Scheduler(generator, max_batch_size, max_queue, memory_budget=budget)
+    sched = Scheduler(generator, max_batch_size, max_queue, memory_budget=budget, request_timeout=request_timeout)
     metrics = Metrics(sched.queue_depth, sched.batch_size, lambda: sched.held, lambda: budget)
     sched.on_done, sched.on_pass = metrics.record_done, metrics.record_pass
     server = Server(generator, model_name, sched, metrics, api_key, request_timeout, max_body_bytes, budget,
-                    schema_seconds)
+                    schema_seconds, ThreadPoolExecutor(SCHEMA_WORKERS, thread_name_prefix="speculant-schema"))
 
     async def lifespan(app):
         yield
         sched.close()
+        server.schema_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="speculant", lifespan=lifespan)
     app.state.server = server
@@ -98,6 +109,19 @@ def create_app(generator, model_name: str = "default", api_key: str | None = Non
     app.post("/v1/completions")(completions)
     app.post("/v1/chat/completions")(chat)
     return app
+
+
+def check_api_key(key: str | None) -> None:
+    """An API key that can be sent: an empty one would turn authentication off unsaid (to serve
+    without a key, give none), one with spaces around it would match no client's (they are stripped)."""
+    if key is None:
+        return
+    if not isinstance(key, str):
+        raise SpeculantError(f"the API key must be a str, got {type(key).__name__}")
+    if not key.strip():
+        raise SpeculantError("--api-key is empty: give a key, or leave --api-key out to serve without one")
+    if key != key.strip() or not key.isprintable() or not key.isascii():
+        raise SpeculantError("--api-key must be printable ASCII without spaces around it (clients send it in a header)")
 
 
 def _server(request: Request) -> Server:
@@ -145,7 +169,7 @@ class Guard:
             return await self.inner(scope, receive, send)
         request, limit = Request(scope), self.server.max_body_bytes
         key = self.server.api_key
-        if key and scope["path"].startswith("/v1/") and not authorized(request.headers.get("authorization"), key):
+        if key and scope["path"].startswith(KEYED) and not authorized(request.headers.get("authorization"), key):
             why = "missing API key" if not request.headers.get("authorization") else "wrong API key"
             response = error_response(request, 401, f"{why}: send 'Authorization: Bearer <key>' with the server's --api-key")
             return await response(scope, receive, send)
@@ -197,6 +221,10 @@ def _replay(body: bytes, receive):
 # ---- endpoints ----
 async def health(request: Request):
     s = _server(request)
+    if s.scheduler.stalled(STALLED_SECONDS):
+        return JSONResponse({"status": "stalled", "model": s.model_name, "queue_depth": s.scheduler.queue_depth(),
+                             "detail": f"no pass of the engine has ended for over {STALLED_SECONDS:g} s"},
+                            status_code=503)
     return {"status": "ok", "model": s.model_name, "queue_depth": s.scheduler.queue_depth()}
 
 
@@ -231,7 +259,10 @@ async def chat(body: ChatRequest, request: Request):
         raise ApiError(400, f"model '{s.model_name}' has no chat template: use /v1/completions", "messages")
     if body.top_logprobs and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-    plan = prepare.tool_plan(body)
+    # the tools' schemas are checked keyword by keyword (a pattern's automaton built): off the event
+    # loop, on the schema pool, within the schema time limit
+    plan = await asyncio.get_running_loop().run_in_executor(s.schema_pool, _tool_plan, body, s.schema_seconds) \
+        if body.tools else prepare.tool_plan(body)
     messages, tools = prepare.message_texts(body), None
     if plan is not None:
         messages, tools = prepare.tool_messages(s.generator, body, messages, plan)
@@ -239,6 +270,15 @@ async def chat(body: ChatRequest, request: Request):
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return await serve(request, body, [ids], chat=True, logprobs=logprobs,
                        max_tokens=body.max_completion_tokens or body.max_tokens, tools=plan)
+
+
+def _tool_plan(body: ChatRequest, seconds: float) -> ToolCalls | None:
+    from ..constrain import within
+
+    try:
+        return within(seconds, lambda: prepare.tool_plan(body), "the tools' parameter schemas")
+    except SpeculantError as e:  # past the time limit
+        raise ApiError(400, str(e), "tools") from None
 
 
 def _check_model(s: Server, name: str) -> None:
@@ -255,6 +295,21 @@ def _format(body: Sampling, tools: ToolCalls | None) -> tuple[dict | None, str]:
     return (fmt if fmt and fmt.get("type") not in (None, "text") else None), "response_format"
 
 
+async def _prepared(s: Server, fmt: dict, prompts: list[list[int]], field: str):
+    """The request's schema processor, prepared on the server's own small pool (one at a time, at most
+    MAX_SCHEMAS_WAITING queued: past them a 429 at once), so that slow schemas hold neither the
+    threads that read other requests nor one another's clients for long."""
+    if s.schemas_waiting >= MAX_SCHEMAS_WAITING:
+        raise ApiError(429, f"{s.schemas_waiting} JSON schemas are being prepared: retry in a few seconds",
+                       field, retry_after=int(s.schemas_waiting * s.schema_seconds) + 1)
+    s.schemas_waiting += 1  # the event loop's thread alone counts
+    try:
+        return await asyncio.get_running_loop().run_in_executor(
+            s.schema_pool, prepare.format_processor, s.generator, fmt, prompts, s.schema_seconds, field)
+    finally:
+        s.schemas_waiting -= 1
+
+
 async def serve(request: Request, body: Sampling, prompts: list[list[int]], chat: bool, logprobs, max_tokens,
                 tools: ToolCalls | None = None):
     """Check the request against the model and the memory it would need, prepare its schema off the
@@ -267,8 +322,7 @@ async def serve(request: Request, body: Sampling, prompts: list[list[int]], chat
     stop, need, extra = prepare.check_request(gen, body, prompts, max_tokens, settings, logprobs, fmt is not None,
                                               s.memory_budget)
     if fmt is not None:  # built and its first states computed in a worker, stopped at its time limit
-        settings["logits_processors"] = [await asyncio.to_thread(prepare.format_processor, gen, fmt, prompts,
-                                                                 s.schema_seconds, field)]
+        settings["logits_processors"] = [await _prepared(s, fmt, prompts, field)]
     choices = len(prompts) * body.n
     call = Call(gen.decode, stop, choices, s.request_timeout, s.metrics, request.url.path)
     jobs = prepare.make_jobs(body, prompts, max_tokens, stop, settings, call.sink_for, extra)

@@ -91,15 +91,56 @@ def tool_plan(body: ChatRequest) -> ToolCalls | None:
     for i, t in enumerate(body.tools):
         if t.function.name in functions:
             raise ApiError(400, f"tools.{i}: a second function named '{t.function.name}'", "tools")
-        functions[t.function.name] = t.function.parameters or NO_ARGUMENTS
+        functions[t.function.name] = tool_parameters(t.function.parameters or NO_ARGUMENTS, i)
     if choice == "required":
-        schemas = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "arguments": params},
-                    "required": ["name", "arguments"]} for name, params in functions.items()]
+        # each function's parameters sit below the root now: their own $refs ("#/$defs/X") point there
+        bases = ["#/properties/arguments"] if len(functions) == 1 else \
+            [f"#/anyOf/{i}/properties/arguments" for i in range(len(functions))]
+        schemas = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
+                                                     "arguments": rebased(params, base)},
+                    "required": ["name", "arguments"]} for (name, params), base in zip(functions.items(), bases)]
         return ToolCalls("required", list(functions), schemas[0] if len(schemas) == 1 else {"anyOf": schemas})
     name = choice.function.name
     if name not in functions:
         raise ApiError(400, f"tool_choice names the function '{name}', which tools do not hold", "tool_choice")
     return ToolCalls("named", [name], functions[name])
+
+
+def tool_parameters(params: dict, index: int) -> dict:
+    """A tool's parameters, checked on their own: a 400 naming the tool and the keyword the output
+    cannot be held to or that nothing meets (the schema the output is held to is rewritten whole,
+    later, with the other tools')."""
+    from ..constrain import check_schema
+    from ..schema_keywords import enforceable
+
+    field = f"tools.{index}.function.parameters"
+    try:
+        check_schema(params)  # its bounds first: the walk's work is in proportion to them
+        enforceable(params)
+    except SpeculantError as e:
+        raise ApiError(400, f"{field}: {e}", "tools") from None
+    return params
+
+
+SCHEMA_DATA = ("enum", "const", "default", "examples", "example")  # values, not schemas: their "$ref"s are text
+
+
+def rebased(params: dict, base: str) -> dict:
+    """A copy of ``params`` with its local ``$ref``s ("#/...", relative to its root) pointing into
+    ``base``, where it sits in a larger schema (a walk, not recursion; check_schema bounded its depth)."""
+    out = json.loads(json.dumps(params))
+    todo = [out]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, list):
+            todo.extend(node)
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+                    node[key] = base + value[1:]
+                elif key not in SCHEMA_DATA:
+                    todo.append(value)
+    return out
 
 
 def tool_messages(generator, body: ChatRequest, messages: list[dict], plan: ToolCalls) -> tuple[list[dict], list]:
@@ -182,9 +223,11 @@ def format_processor(generator, fmt: dict, prompts: list[list[int]] | None = Non
         raise ApiError(400, "response_format must be {'type': 'text' | 'json_object'} or {'type': 'json_schema', "
                             "'json_schema': {'schema': {...}}}", "response_format")
     try:
-        return json_schema_processor(generator.tokenizer, schema, generator.target.eos_token_ids, prompts, timeout)
+        proc = json_schema_processor(generator.tokenizer, schema, generator.target.eos_token_ids, prompts, timeout)
     except SpeculantError as e:
         raise ApiError(400, f"{field}: {e}", field) from None
+    proc.end_quietly = True  # past its budget of parser work its rows end and the scheduler says why
+    return proc
 
 
 def token_budget(generator, prompts: list[list[int]], max_tokens: int | None) -> int:

@@ -55,8 +55,16 @@ class ToolCalls:
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": None}}
+    return {"error": {"message": encodable(message), "type": ERROR_TYPES.get(status, "invalid_request_error"),
+                      "param": encodable(param), "code": None}}
+
+
+def encodable(text: str | None) -> str | None:
+    """``text`` with what UTF-8 cannot carry (a lone surrogate a request sent, echoed back in its
+    error) written as an escape: the body is then always sendable, the error never a bare 500."""
+    if text is None:
+        return None
+    return str(text).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def sse(obj: dict) -> str:

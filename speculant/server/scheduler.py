@@ -7,11 +7,20 @@ never share mutable state. It starts a batch with the oldest waiting job and, up
 reads the text in the same forms; temperature, top-k/p, penalty strengths, seeds and logprobs are
 per row, and a seeded job's text does not depend on what shares its batch). Between passes,
 jobs of that group that arrived meanwhile are prefilled and **join the running batch** (continuous
-batching), as long as there is room and the drafter can take rows of another batch; rows leave
-as they finish (EOS, stop, length, cancel) and their client hears at once.
+batching), as long as there is room and the drafter can take rows of another batch; jobs of
+another group start a batch of their own **beside it** (up to ``max_batches``, each with its own
+caches and drafter state: the engine steps them a pass each in turn), so a long request of one kind
+(a JSON schema's, say) never holds the others for its whole length. Rows leave as they finish
+(EOS, stop, length, cancel) and their client hears at once.
 
 A job's tokens reach its ``sink`` as they are accepted: ("tokens", Emitted), then ("done", Output)
-or ("error", message). Sinks are called from the owner thread and must not block.
+or ("error", message) (a ``Refused`` message: the request's own fault, with its HTTP status). Sinks
+are called from the owner thread and must not block.
+
+Nothing one request sends holds the others: a job past its deadline (``request_timeout`` from its
+arrival) leaves its batch or the queue; a job whose JSON schema has used its budget of parser work
+(``SchemaProcessor.failed``) ends with that error while its batch goes on; and ``stalled()`` says
+when no pass has ended for a while (``/health``).
 
 Memory (``memory_budget``, bytes; None: not counted): one account for the server. A batch is
 charged what its caches (target and drafter, every row at the batch's longest size), a pass's
@@ -22,7 +31,10 @@ the total within the budget, less a share kept for what the account does not cou
 counted at its peak: the larger of the caches before and after, and the joiners' own); the others
 wait their turn. ``submit`` refuses a request whose wait
 would be long (what waits ahead of it and its own need pass the budget) with ``MemoryBusy`` and a
-Retry-After estimate. When a batch ends its memory goes back to the system (``malloc_trim``).
+Retry-After estimate. A job that does not fit yet does not hold the smaller ones behind it while
+it has waited less than HOLD_AFTER seconds (then they wait behind it, so it is not starved); one
+that has waited MEMORY_WAIT seconds is refused (429). When a batch ends its memory goes back to the
+system (``malloc_trim``).
 """
 from __future__ import annotations
 
@@ -42,6 +54,18 @@ log = logging.getLogger("speculant.server")
 BATCH_SETTINGS = ("gamma", "speculate")  # what a batch's rows share; the rest of Job.sampling is per row
 TRIM_AFTER = 32 * 2**20  # a batch start or join charged this much trims the C heap after its prefill
 MAX_ROWS_PER_BATCH = 1024  # rows one batch admits in its life: a batch keeps its finished rows until it ends
+PREFILL_CHUNK = 64  # prompt tokens a step of a long prompt's prefill (one over 2 chunks is prefilled in steps)
+HOLD_AFTER = 10.0  # seconds a job that does not fit the memory lets smaller later ones go first
+MEMORY_WAIT = 60.0  # seconds a job may wait for memory before it is refused
+
+
+class Refused(str):
+    """An error event's message that is the request's own doing (its HTTP status: a 4xx)."""
+
+    def __new__(cls, message: str, status: int = 400):
+        self = super().__new__(cls, message)
+        self.status = status
+        return self
 
 
 def _error_message(e: Exception, what: str) -> str:
@@ -97,16 +121,50 @@ class Job:
     reported: bool = False  # its done (or error) event went out
     extra: int = 0  # bytes it holds beside its caches and logits (buffers, a schema's tables)
     need: int = 0  # its share of its request's memory (what it counts for while it waits)
+    deadline: float | None = None  # monotonic time after which it is dropped (Scheduler.request_timeout)
+
+    def failure(self, row=None) -> str | None:
+        """Why its processing gave up (a JSON schema past its budget of parser work, or its ``row``
+        ended where no token of the model could go on), or None."""
+        for fn in self.sampling.get("logits_processors") or ():
+            if getattr(fn, "failed", None):
+                return fn.failed
+            if row is not None and row.finished and row.tokens and hasattr(fn, "dead_end") \
+                    and fn.dead_end(row.prompt + row.tokens[:-1]):
+                return "the JSON schema cannot be followed with this model's tokens: none of them could go on " \
+                       "where its output had come to"
+        return None
+
+
+@dataclass
+class _Running:
+    """A batch the engine steps: its group, its rows' jobs (jobs[r]: row r's), the bytes it is
+    charged and the rows it has admitted in its life."""
+
+    group: object
+    jobs: list[Job]
+    batch: object  # None while its prefill runs a chunk at a time
+    charge: int = 0
+    admitted: int = 0
+    prefill: object = None  # engine.start_steps' generator, until the batch is prefilled
+
+    def live(self) -> list[Job]:
+        return [self.jobs[r] for r in self.batch.active]
 
 
 class Scheduler:
     def __init__(self, generator, max_batch_size: int = 32, max_queue: int = 256, on_done=None, on_pass=None,
-                 memory_budget: int | None = None):
-        if max_batch_size < 1 or max_queue < 1:
-            raise SpeculantError("max_batch_size and max_queue must be >= 1")
+                 memory_budget: int | None = None, request_timeout: float | None = None, max_batches: int = 4):
+        if max_batch_size < 1 or max_queue < 1 or max_batches < 1:
+            raise SpeculantError("max_batch_size, max_queue and max_batches must be >= 1")
         self.gen = generator
-        self.max_batch_size, self.max_queue = max_batch_size, max_queue
+        self.max_batch_size, self.max_queue, self.max_batches = max_batch_size, max_queue, max_batches
+        self.batches: list[_Running] = []  # the batches the engine steps (its thread's alone)
+        # a long prompt is prefilled a chunk at a time between the running batches' passes
+        self.chunks = hasattr(getattr(generator, "engine", None), "start_steps")
         self.memory_budget = memory_budget  # bytes, server-wide (None: not counted)
+        self.request_timeout = request_timeout  # seconds from a job's arrival to its drop (None: none)
+        self.progress_at = time.monotonic()  # the last pass's end, or when the engine last went idle
         self.held = 0  # bytes charged to the running batch
         self.peak = 0  # the most bytes charged at once (running, joining, idle caches), for the tests
         self.pass_seconds = 0.0  # a pass's time, averaged (Retry-After estimates)
@@ -138,6 +196,9 @@ class Scheduler:
                                      f"promised): retry in about {retry} s", retry)
                 for j in jobs:
                     j.need = need // len(jobs)
+            for j in jobs:
+                if j.deadline is None and self.request_timeout is not None:
+                    j.deadline = j.queued_at + self.request_timeout
             self.waiting.extend(jobs)
             self.lock.notify()
 
@@ -169,36 +230,34 @@ class Scheduler:
         idle = self.gen.idle_bytes() if hasattr(self.gen, "idle_bytes") else 0
         return int(self.memory_budget * (1 - self.UNCOUNTED_SHARE)) - idle
 
-    def _fits(self, taken: list[Job], job: Job, running: list[Job] | None = None) -> bool:
-        """Whether ``job`` may join ``taken`` (a batch about to start, or joiners of a running batch
-        whose live rows are ``running``) within the budget."""
+    def _fits(self, taken: list[Job], job: Job, run: "_Running | None" = None) -> bool:
+        """Whether ``job`` may join ``taken`` (a batch about to start beside the running ones, or
+        joiners of the running batch ``run``) within the budget."""
         if self.memory_budget is None:
             return True
         group = taken + [job]
-        total = self.charge(group) if running is None else self._join_peak(running, group)
+        total = self.held + self.charge(group) if run is None else self._join_peak(run, group)
         if total > self._room() and hasattr(self.gen, "drop_idle"):
             self.gen.drop_idle()
         return total <= self._room()
 
-    def _join_peak(self, running: list[Job], joiners: list[Job]) -> int:
-        """The most a join holds at once: the larger of the batch's caches before and after (they
-        are rebuilt a layer at a time; a new layer's keys or values, a row larger than the old ones,
-        fit in no hole until two old ones are freed beside each other: a layer more), and the
-        joiners' own batch with its prefill."""
-        after = self.charge(running + joiners)
+    def _join_peak(self, run: "_Running", joiners: list[Job]) -> int:
+        """The most a join holds at once: the other batches', the larger of this batch's caches
+        before and after (they are rebuilt a layer at a time; a new layer's keys or values, a row
+        larger than the old ones, fit in no hole until two old ones are freed beside each other: a
+        layer more), and the joiners' own batch with its prefill."""
+        after = self.charge(run.live() + joiners)
         layers = getattr(getattr(getattr(self.gen, "target", None), "model", None), "config", None)
         layers = getattr(layers, "num_hidden_layers", None) or 1
-        return max(self.held, after) + after // layers + self.charge(joiners)
+        return self.held - run.charge + max(run.charge, after) + after // layers + self.charge(joiners)
 
-    def _charged(self, jobs: list[Job], joining: list[Job] | None = None) -> None:
-        """The running batch's cache now holds these jobs' rows (``joining``: those that just joined)."""
+    def _charged(self, peak: int = 0) -> None:
+        """The running batches' caches now hold what their charges say (``peak``: what a join just held)."""
         if self.memory_budget is None:
             return
         idle = self.gen.idle_bytes() if hasattr(self.gen, "idle_bytes") else 0
-        if joining is not None:
-            self.peak = max(self.peak, idle + self._join_peak([j for j in jobs if j not in joining], joining))
-        self.held = self.charge(jobs)
-        self.peak = max(self.peak, idle + self.held)
+        self.held = sum(run.charge for run in self.batches)
+        self.peak = max(self.peak, idle + self.held, idle + peak)
 
     def cancel(self, jobs: list[Job]) -> None:
         """End these jobs: waiting ones leave the queue, running ones leave their batch after this pass."""
@@ -226,25 +285,64 @@ class Scheduler:
             self.lock.notify()
         self.thread.join(timeout)
 
+    def stalled(self, seconds: float) -> bool:
+        """A batch runs and no pass of it has ended for ``seconds``."""
+        return self.stepping and time.monotonic() - self.progress_at > seconds
+
+    def _expire(self) -> None:
+        """Refuse the waiting jobs past their deadline or their wait for memory (lock held)."""
+        now = time.monotonic()
+        for j in list(self.waiting):
+            if j.deadline is not None and now > j.deadline:
+                why = Refused(f"the request waited longer than its time limit ({self.request_timeout:g} s) for "
+                              "its turn: retry later", 408)
+            elif (self.memory_budget is not None and now - j.queued_at > MEMORY_WAIT
+                  and self.held + self.charge([j]) > self._room()):
+                why = Refused(f"the request waited {MEMORY_WAIT:g} s for memory the running requests hold: retry "
+                              "later, or ask for fewer tokens or choices", 429)
+            else:
+                continue
+            self.waiting.remove(j)
+            j.cancelled = j.reported = True
+            j.sink(("error", why))
+
     def _next_batch(self) -> list[Job]:
         with self.lock:
-            while not self.waiting and not self.closed:
+            while not self.closed:
+                self._expire()
+                if self.waiting:
+                    break
+                self.progress_at = time.monotonic()
                 self.lock.wait()
             if self.closed:
                 return []
+            self.progress_at = time.monotonic()
             first = self.waiting.popleft()
             if self.memory_budget is not None and self.charge([first]) > self._room():
                 self.gen.drop_idle()
-            return [first] + self._take(first.group, self.max_batch_size - 1, [first])
+            return [first] + self._take(first.group, self.max_batch_size - 1, [first],
+                                        like=first.prompt if self._long(first) else None)
 
-    def _take(self, group, room: int, base: list[Job], running: list[Job] | None = None) -> list[Job]:
+    def _long(self, job: Job) -> bool:
+        """A prompt prefilled in chunks: in a batch of its own (its request's other choices beside it)."""
+        return self.chunks and len(job.prompt) > 2 * PREFILL_CHUNK
+
+    def _take(self, group, room: int, base: list[Job], run: "_Running | None" = None,
+              like: list[int] | None = None) -> list[Job]:
         """Up to ``room`` waiting jobs of ``group`` in their order, while the memory account lets them
-        join ``base`` (the jobs of a batch about to start; or, with ``running``, the live jobs of the
-        running batch, joiners: see _fits), out of the queue and into the running set (lock held)."""
+        join ``base`` (the jobs of a batch about to start; or, with ``run``, joiners of that running
+        batch: see _fits), out of the queue and into the running set (lock held). ``like``: only jobs
+        of that prompt (a long one's batch), else no long ones."""
         picked: list[Job] = []
-        for j in [j for j in self.waiting if j.group == group][: max(0, room)]:
-            if not self._fits(base + picked, j, running):
-                break  # first come, first served: the later ones wait behind it
+        now = time.monotonic()
+        for j in [j for j in self.waiting if j.group == group and (j.prompt == like if like is not None
+                                                                  else not self._long(j))]:
+            if len(picked) >= room:
+                break
+            if not self._fits(base + picked, j, run):
+                if now - j.queued_at >= HOLD_AFTER:
+                    break  # it has waited long enough: the later ones wait behind it
+                continue  # smaller ones behind it may fit meanwhile
             picked.append(j)
         for j in picked:
             self.waiting.remove(j)
@@ -267,7 +365,8 @@ class Scheduler:
                 with self.lock:
                     self.running = []
                 del jobs  # nothing of the batch outlives it here (its caches went with engine.finish)
-                self._charged([])
+                self.batches = []
+                self._charged()
                 trim_heap()
                 self.stepping = False
 
@@ -281,63 +380,201 @@ class Scheduler:
                 j.reported = True
                 j.sink(("error", message))
 
-    def _start(self, jobs: list[Job]):
+    def _start(self, jobs: list[Job], chunk: int = 0):
         t0 = time.monotonic()
         for j in jobs:
             j.started_at = t0
         shared = {k: jobs[0].sampling[k] for k in BATCH_SETTINGS if k in jobs[0].sampling}  # equal in a group
         rows = [{k: v for k, v in j.sampling.items() if k not in shared} for j in jobs]
+        more = {"chunk": chunk} if chunk else {}  # then engine.start_steps' generator, not the batch
         return self.gen.start_batch([j.prompt for j in jobs], [j.max_tokens for j in jobs], [j.stop for j in jobs],
                                     seed=[j.seed for j in jobs], cancelled=lambda r: jobs[r].cancelled,
-                                    row_sampling=rows, **shared)
-
-    def _joiners(self, group, room: int, admitted: int, live: list[Job] | None) -> list[Job]:
-        """Waiting jobs that may join the running batch now: of its group, only while no job of
-        another group waits ahead of them (first come, first served), only up to
-        MAX_ROWS_PER_BATCH rows admitted (then the batch drains and ends, freeing its finished rows),
-        and only while the memory account has room for them (``live``: the batch's running jobs)."""
-        with self.lock:
-            if (room <= 0 or self.closed or not self.waiting or self.waiting[0].group != group
-                    or admitted >= MAX_ROWS_PER_BATCH):
-                return []
-            return self._take(group, min(room, MAX_ROWS_PER_BATCH - admitted), [], live)
+                                    row_sampling=rows, **shared, **more)
 
     def _run(self, first: list[Job]) -> None:
-        """Step one batch until its last row ends, taking in compatible jobs between passes."""
-        engine, jobs = self.gen.engine, list(first)  # jobs[r]: the job of the batch's row r
-        counted = self.memory_budget is not None
-        self._charged(jobs)
-        batch = self._start(jobs)
+        """Step the running batches, a pass each in turn, until the last one ends: ``first``'s and
+        those that start beside it (another group's, up to ``max_batches``), taking in waiting jobs
+        between passes."""
+        self.batches = []
+        self._launch(first, alone=True)
+        owed = 0.0  # seconds of the last prefill chunk the running batches' passes have not yet had
+        try:
+            while self.batches:
+                self._admit()
+                stepping = [run for run in self.batches if run.prefill is None]
+                t0 = time.monotonic()
+                for run in stepping:
+                    self._pass(run)
+                owed = max(0.0, owed - (time.monotonic() - t0))
+                pending = next((run for run in self.batches if run.prefill is not None), None)
+                if pending is not None and (owed == 0.0 or not stepping):  # half the time at most, beside passes
+                    t0 = time.monotonic()
+                    self._advance(pending)
+                    owed = time.monotonic() - t0
+        finally:
+            for run in list(self.batches):  # a failure: their caches go back (their jobs hear of it)
+                self._end(run)
+
+    def _admit(self) -> None:
+        """Waiting jobs into the running batches (continuous batching) or into new ones beside them."""
+        while True:
+            with self.lock:
+                action = self._next_action()
+            if action is None:
+                return
+            run, jobs = action
+            if run is None:
+                self._launch(jobs)
+            else:
+                self._join(run, jobs)
+
+    def _next_action(self) -> "tuple[_Running | None, list[Job]] | None":
+        """The waiting jobs to admit next (lock held): the oldest group's that a batch of it can take
+        or that may start a batch of their own (fewer than ``max_batches`` run), within the memory
+        account; a group that cannot is passed over while its oldest job has waited less than
+        HOLD_AFTER (and while batches are free to start), else everything behind it waits."""
+        self._expire()
+        if self.closed:
+            return None
+        seen, now = set(), time.monotonic()
+        for j in list(self.waiting):
+            if j.group in seen:
+                continue
+            seen.add(j.group)
+            run = next((r for r in self.batches if r.group == j.group and r.batch is not None
+                        and r.batch.accepts_rows and r.admitted < MAX_ROWS_PER_BATCH), None)
+            if run is not None and not self._long(j):  # joins its group's batch (rows it admits: bounded)
+                room = min(self.max_batch_size - len(run.batch.active), MAX_ROWS_PER_BATCH - run.admitted)
+                picked = self._take(j.group, room, [], run)
+            elif len(self.batches) < self.max_batches:  # a batch of its own, beside the running ones
+                run = None
+                picked = self._take(j.group, self.max_batch_size, [], like=j.prompt if self._long(j) else None)
+            else:
+                return None  # no batch may start: this group waits for one to end, and those behind it too
+            if picked:
+                return run, picked
+            if now - j.queued_at >= HOLD_AFTER:
+                return None  # it has waited long enough for memory: the later ones wait behind it
+        return None
+
+    def _launch(self, jobs: list[Job], alone: bool = False) -> None:
+        """Start a batch of these jobs (charged from its prefill on). A failure fails them alone,
+        or (``alone``: the first batch) is raised."""
+        run = _Running(jobs[0].group, list(jobs), None, self.charge(jobs), len(jobs))
+        self.batches.append(run)
+        self._charged()
+        try:
+            if self._long(jobs[0]):  # prefilled a chunk at a time (_advance), other batches' passes between
+                run.prefill = self._start(jobs, PREFILL_CHUNK)
+                return
+            run.batch = self._start(jobs)
+        except Exception as e:
+            self.batches.remove(run)
+            self._charged()
+            if alone:
+                raise
+            self._fail(_error_message(e, "starting requests failed"), jobs)
+            return
         if self.held >= TRIM_AFTER:  # a large prefill's activations: back to the system, not kept by the allocator
             trim_heap()
+
+    def _join(self, run: "_Running", joiners: list[Job]) -> None:
+        """Prefill ``joiners`` and take them into ``run``'s batch; a failure fails them alone."""
         try:
-            while not batch.done:
-                live = [jobs[r] for r in batch.active] if counted else None
-                joiners = self._joiners(first[0].group, self.max_batch_size - len(batch.active), len(jobs), live) \
-                    if batch.accepts_rows else []
-                if joiners:
-                    try:
-                        joined = self._start(joiners)
-                    except Exception as e:  # only the joiners fail; the running rows go on
-                        self._fail(_error_message(e, "joining requests failed"), joiners)
-                    else:
-                        engine.join(batch, joined)
-                        jobs += joiners
-                        if counted:  # the caches the join replaced go back (not kept for reuse)
-                            self.gen.drop_idle()
-                            self._charged([jobs[r] for r in batch.active], joiners)
-                            if self.held >= TRIM_AFTER:  # the replaced caches' pages: a larger cache fits no hole
-                                trim_heap()
-                t0 = time.monotonic()
-                for r, new in engine.step(batch):
-                    jobs[r].sink(("tokens", new))
-                self._paced(batch, time.monotonic() - t0)
-                self._report(batch, jobs)
-                if self.on_pass is not None and batch.active:
-                    self.on_pass(len(batch.active))
+            joined = self._start(joiners)
+        except Exception as e:  # only the joiners fail; the running rows go on
+            self._fail(_error_message(e, "joining requests failed"), joiners)
+            return
+        peak = self._join_peak(run, joiners) if self.memory_budget is not None else 0
+        self.gen.engine.join(run.batch, joined)
+        run.jobs += joiners
+        run.admitted += len(joiners)
+        if self.memory_budget is not None:  # the caches the join replaced go back (not kept for reuse)
+            self.gen.drop_idle()
+            run.charge = self.charge(run.live())
+            self._charged(peak)
+            if self.held >= TRIM_AFTER:  # the replaced caches' pages: a larger cache fits no hole
+                trim_heap()
+
+    def _advance(self, run: "_Running") -> None:
+        """One chunk of ``run``'s prefill (its batch starts once the last is done); a failure fails
+        its jobs alone, and one whose jobs have all left or run out of time stops."""
+        now = time.monotonic()
+        if all(j.cancelled or (j.deadline is not None and now > j.deadline) for j in run.jobs):
+            late = [j for j in run.jobs if not j.cancelled]
+            self._end(run)
+            self._fail(Refused(f"the request took longer than its time limit ({self.request_timeout:g} s)", 408),
+                       late)
+            with self.lock:  # the cancelled ones' clients are gone: nothing to tell them
+                self.running = [j for j in self.running if j not in run.jobs]
+            for j in run.jobs:
+                j.reported = True
+            return
+        try:
+            next(run.prefill)
+        except StopIteration as done:
+            run.batch, run.prefill = done.value, None
+            if self.held >= TRIM_AFTER:  # a large prefill's activations: back to the system
+                trim_heap()
+        except Exception as e:
+            message = _error_message(e, "starting requests failed")
+            run.prefill = None
+            self.batches.remove(run)
+            self._charged()
+            self._fail(message, run.jobs)
+        self.progress_at = time.monotonic()
+
+    def _pass(self, run: "_Running") -> None:
+        """One pass of ``run``'s batch; its ended rows' jobs hear at once; an ended batch goes.
+        A failure fails its jobs alone."""
+        t0 = time.monotonic()
+        try:
+            for r, new in self.gen.engine.step(run.batch):
+                if not run.jobs[r].reported:
+                    run.jobs[r].sink(("tokens", new))
+        except Exception as e:  # keep serving: this batch's clients hear of it (and the log)
+            message = _error_message(e, "batch failed")
+            self._end(run)
+            self._fail(message, [j for j in run.jobs if not j.reported])
+            return
+        self.progress_at = time.monotonic()
+        self._paced(run.batch, self.progress_at - t0)
+        self._drop_failed(run)
+        self._report(run.batch, run.jobs)
+        if self.on_pass is not None and run.batch.active:
+            self.on_pass(len(run.batch.active))
+        if run.batch.done:
+            self._end(run)
+
+    def _end(self, run: "_Running") -> None:
+        """Finish ``run``'s batch: its caches and drafter go back, its ended rows' jobs hear."""
+        self.batches.remove(run)
+        if run.batch is None:  # its prefill had not ended: closing it gives back what it took
+            if run.prefill is not None:
+                run.prefill.close()
+            self._charged()
+            return
+        try:
+            self.gen.engine.finish(run.batch)
         finally:
-            engine.finish(batch)
-        self._report(batch, jobs)
+            self._report(run.batch, run.jobs)
+            self._charged()
+
+    def _drop_failed(self, run: "_Running") -> None:
+        """End the running jobs whose schema gave up or whose deadline passed: their rows leave the
+        batch at its next pass, the others go on."""
+        now, rows = time.monotonic(), getattr(run.batch, "rows", [])
+        for r, j in enumerate(run.jobs):
+            if j.reported:
+                continue
+            why = j.failure(rows[r] if r < len(rows) else None)
+            if why is not None:
+                why = Refused(why, 422)
+            elif j.deadline is not None and now > j.deadline:
+                why = Refused(f"the request took longer than its time limit ({self.request_timeout:g} s)", 408)
+            if why is not None:
+                j.cancelled = True
+                self._fail(why, [j])
 
     def _paced(self, batch, seconds: float) -> None:
         """A pass's time and the batch's most tokens to come (Retry-After estimates)."""

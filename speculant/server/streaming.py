@@ -78,8 +78,9 @@ async def stream_events(call: Call, reply: Reply, choices: int, n: int, include_
                 ended = True
                 return
             if kind == "error":
-                yield sse(error_body(500, data))
-                call.answered(500)
+                status = getattr(data, "status", 500)  # a Refused request's own 4xx
+                yield sse(error_body(status, data))
+                call.answered(status)
                 ended = True
                 return
             if kind == "tokens":
@@ -122,7 +123,7 @@ async def gather(call: Call, choices: int, cancel, disconnected) -> list | None:
                 continue
             i, (kind, data) = event
             if kind == "error":
-                raise ApiError(500, data)
+                raise ApiError(getattr(data, "status", 500), str(data))
             if kind == "done":
                 outputs[i] = data
     except asyncio.TimeoutError:

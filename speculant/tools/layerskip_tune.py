@@ -17,7 +17,8 @@ from pathlib import Path
 from ..api import Generator
 from ..drafters import NoDrafter
 from ..drafters.layerskip import LayerSkipDrafter, num_layers, tuned_path
-from ..errors import SpeculantError
+from .. import files
+from ..errors import SpeculantError, check_writable
 from ..models.loading import load_model
 
 CALIBRATION_CATEGORIES = ("question_answering", "code", "summarization", "math_reasoning", "translation")
@@ -128,6 +129,10 @@ def cmd_tune_layerskip(args) -> int:
         raise SpeculantError(f"--prompts must be >= 1, got {args.prompts}")
     if args.max_new_tokens < 2:
         raise SpeculantError(f"--max-new-tokens must be >= 2, got {args.max_new_tokens}")
+    # where the result goes, checked before minutes of timing (the default: the cache's folder)
+    if args.out and files.is_dir(files.as_path(args.out), "--out path"):
+        raise SpeculantError(f"--out {files.shown(args.out)} is a folder: give the JSON file's path")
+    check_writable(files.as_path(args.out) if args.out else tuned_path("x").parent, beside=bool(args.out))
     result = tune(args.target, args.prompts, args.max_new_tokens, args.gamma, args.device, args.dtype,
                   log=lambda s: print(s, flush=True))
     out = Path(args.out).expanduser() if args.out else tuned_path(result.pop("_target_name"))

@@ -62,8 +62,13 @@ def read_config(folder: str | Path, check: Callable[[dict], None] | None = None)
                              "`speculant train` or give a speculators-format folder)")
     try:
         cfg = json.loads(files.read_text(path / "config.json", "drafter config", limit=16 << 20))
+    except SpeculantError:  # a FIFO, a file too large: said as it is
+        raise
     except ValueError as e:
         raise SpeculantError(f"{path / 'config.json'} is not valid JSON ({e})") from None
+    except RecursionError:
+        raise SpeculantError(f"{path / 'config.json'} is nested too deeply to read: give a folder `speculant train` "
+                             "or speculators wrote") from None
     if not isinstance(cfg, dict):
         raise SpeculantError(f"{path / 'config.json'} holds a JSON {type(cfg).__name__}, not an object of drafter "
                              "settings: give a folder `speculant train` or speculators wrote")

@@ -28,6 +28,18 @@ void in_one_region(F&& fn) {
   spk::in_one_region(PARALLEL, at::get_num_threads(), std::forward<F>(fn));
 }
 
+// run() without Python's GIL (a long prefill takes seconds: the server's other threads answer
+// meanwhile), a std::out_of_range of the core as a Python error
+template <typename F>
+void out_of_range_as_error(F&& run) {
+  try {
+    pybind11::gil_scoped_release unlocked;
+    run();
+  } catch (const std::out_of_range& e) {
+    TORCH_CHECK(false, e.what());
+  }
+}
+
 const at::Tensor& rows_of_float(const at::Tensor& t, int64_t width) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.size(-1) == width, "expected contiguous float32 [..., ",
               width, "]");
@@ -146,7 +158,7 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& w, i
   rows_of_float(x, K);
   const spk::Linear l = linear_of(w, bits, K);
   auto y = torch::empty({M, l.N()}, x.options());
-  if (M > 0) spk::apply(l, x.data_ptr<float>(), M, y.data_ptr<float>(), PARALLEL);
+  if (M > 0) out_of_range_as_error([&] { spk::apply(l, x.data_ptr<float>(), M, y.data_ptr<float>(), PARALLEL); });
   return y;
 }
 
@@ -233,15 +245,6 @@ Attention block_attention(int64_t B, int64_t T, int64_t n_kv, int64_t D, at::Ten
   return a;
 }
 
-template <typename F>
-void out_of_range_as_error(F&& run) {
-  try {
-    run();
-  } catch (const std::out_of_range& e) {
-    TORCH_CHECK(false, e.what());
-  }
-}
-
 }  // namespace
 
 // A whole decoder layer for the passes after the prefill, in one call (core/layer.h).
@@ -287,7 +290,8 @@ struct BoundLayers {
   float norm_eps = 0.f;
   spk::Linear head{};
 };
-std::vector<std::unique_ptr<BoundLayers>> bound_layers;  // by handle; an unbound one is null
+// by handle; an unbound one is null (a pass that runs meanwhile, without the GIL, keeps its own reference)
+std::vector<std::shared_ptr<BoundLayers>> bound_layers;
 std::mutex bound_mutex;
 
 }  // namespace
@@ -301,7 +305,7 @@ int64_t bind_layers(const std::vector<at::Tensor>& norms, double eps, const std:
               "bind_layers: per layer (ln1, ln2), four (packed, ..., bias) and their four kinds");
   const int64_t H = norms[0].numel();
   TORCH_CHECK(H % spk::LANES == 0, "bind_layers: hidden size a multiple of 16");
-  auto b = std::make_unique<BoundLayers>(BoundLayers{{}, {}, H, n_heads, n_kv, D});
+  auto b = std::make_shared<BoundLayers>(BoundLayers{{}, {}, H, n_heads, n_kv, D});
   for (size_t l = 0; l < L; ++l) {
     const auto& lin = linears.begin() + 4 * l;
     b->layers.push_back(layer_weights(norms[2 * l], norms[2 * l + 1], eps, H, lin[0], bits[4 * l], H, n_heads * D,
@@ -324,11 +328,11 @@ void unbind_layers(int64_t handle) {
 
 namespace {
 
-const BoundLayers& bound(int64_t handle, const char* who) {
+std::shared_ptr<const BoundLayers> bound(int64_t handle, const char* who) {
   std::lock_guard<std::mutex> lock(bound_mutex);
   TORCH_CHECK(handle >= 0 && handle < static_cast<int64_t>(bound_layers.size()) && bound_layers[handle], who,
               ": no such handle");
-  return *bound_layers[handle];
+  return bound_layers[handle];
 }
 
 // The layers of a pass, for run_layers and run_pass: the block's rows h [B, T, H] (cos, sin [B, T, D])
@@ -368,7 +372,8 @@ std::vector<at::Tensor> run_layers(int64_t handle, const at::Tensor& h, const at
                                    std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
                                    const at::Tensor& write_at, const at::Tensor& slots, const at::Tensor& count,
                                    double scale, const std::vector<int64_t>& taps) {
-  const BoundLayers& b = bound(handle, "run_layers");
+  const auto held = bound(handle, "run_layers");
+  const BoundLayers& b = *held;
   check_caches(b, k_caches, v_caches, "run_layers");
   TORCH_CHECK(h.dim() == 3 && h.size(2) == b.H, "run_layers: h [B, T, H]");
   const int64_t B = h.size(0), T = h.size(1), H = b.H, D = b.D;
@@ -425,7 +430,8 @@ std::vector<at::Tensor> run_pass(int64_t handle, const at::Tensor& tokens, const
                                  std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
                                  const at::Tensor& write_at, const at::Tensor& slots, const at::Tensor& count,
                                  double scale, const std::vector<int64_t>& taps, bool last_only) {
-  const BoundLayers& b = bound(handle, "run_pass");
+  const auto held = bound(handle, "run_pass");
+  const BoundLayers& b = *held;
   TORCH_CHECK(b.ends, "run_pass: the model's ends are not bound (bind_ends)");
   check_caches(b, k_caches, v_caches, "run_pass");
   TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong && tokens.is_contiguous() &&
