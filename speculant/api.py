@@ -13,7 +13,7 @@ import torch
 from .drafters import Drafter, ModelDrafter, make_drafter
 from .drafters.model import MODEL
 from .drafters.registry import kind_of
-from .engine import Batch, Engine, Request, Row, RowRequest, seeded_row
+from .engine import Batch, Engine, Request, Row, RowRequest, drain, seeded_row
 from .errors import SpeculantError
 from .limits import MAX_GAMMA, MAX_LOGPROBS, MEMORY_SHARE, check_int, check_stop, check_text, gib
 from .models.backend import Backend
@@ -345,15 +345,6 @@ class Generator:
                 piece = text.add(new)
                 if piece:
                     yield piece
-
-
-def drain(it: Iterator):
-    """Run a generator to its end and give its return value (the engine's: the finished rows)."""
-    while True:
-        try:
-            next(it)
-        except StopIteration as done:
-            return done.value
 
 
 def _described(x) -> str:

@@ -312,6 +312,11 @@ class SchemaProcessor:
         return masked
 
 
+# compiled patterns kept: lm-format-enforcer keeps them in one dict for the whole process, keyed by
+# the pattern, which every schema a server prepares would otherwise grow for good
+MAX_CACHED_PATTERNS = 256
+
+
 def _compile_patterns(parser, schema) -> None:
     """Every ``pattern`` of the schema compiled now, within the preparation's time limit (the library
     compiles one when the output reaches its string: a slow one there would hold the engine)."""
@@ -326,6 +331,8 @@ def _compile_patterns(parser, schema) -> None:
                 pattern = pattern[1:] if pattern.startswith("^") else pattern
                 pattern = pattern[:-1] if pattern.endswith("$") else pattern
                 if pattern and pattern not in cache:
+                    if len(cache) >= MAX_CACHED_PATTERNS:  # a live parser keeps its own; a new one compiles again
+                        cache.clear()
                     cache[pattern] = RegexParser(pattern, parser.config)
             todo.extend(v for k, v in node.items() if k not in ("default", "examples", "const", "enum"))  # values
         elif isinstance(node, list):

@@ -160,6 +160,16 @@ class Request:
         return [r.prompt for r in self.rows]
 
 
+def drain(it: Iterator):
+    """Run a generator to its end and give its return value (``run``'s: the finished rows;
+    ``start_steps``': the batch)."""
+    while True:
+        try:
+            next(it)
+        except StopIteration as done:
+            return done.value
+
+
 def seeded_row(params: SamplingParams, seed: int | None, row: int) -> int | None:
     """Row ``row``'s seed in a request seeded with ``seed``: none for greedy rows."""
     return None if params.greedy or seed is None else row_seed(seed, row)
@@ -220,12 +230,7 @@ class Engine:
         to give each row its first token. Each batch has its own KV state and drafter state
         (the engine's drafter, or a fork of it while another batch holds it), so batches may be
         stepped in any order."""
-        steps = self.start_steps(req)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
+        return drain(self.start_steps(req))
 
     def start_steps(self, req: Request, chunk: int = 0) -> Iterator[None]:
         """``start``'s work, the prompts ``chunk`` tokens at a time where that gives the very cache

@@ -6,6 +6,7 @@ or a traceback."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import stat
@@ -118,6 +119,22 @@ def read_text(path, what: str = "file", limit: int | None = None, hint: str = "g
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise SpeculantError(f"the {what} {shown(path)} is not UTF-8 text (byte {e.start}): {hint}") from None
+
+
+def read_json_object(path, what: str, hint: str, limit: int = 16 << 20) -> dict:
+    """A file holding a JSON object (settings), read within ``limit`` bytes: text that is not JSON,
+    that nests deeper than Python's parser follows, or that holds something else is one line naming
+    the file (``hint``: what to give instead), never a traceback from a library reading it later."""
+    text = read_text(path, what, limit=limit, hint=hint)
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SpeculantError(f"{shown(path)} is not valid JSON (line {e.lineno}: {e.msg}): {hint}") from None
+    except RecursionError:
+        raise SpeculantError(f"{shown(path)} is nested too deeply to read: {hint}") from None
+    if not isinstance(value, dict):
+        raise SpeculantError(f"{shown(path)} holds a JSON {type(value).__name__}, not an object of settings: {hint}")
+    return value
 
 
 def as_path(text) -> Path:

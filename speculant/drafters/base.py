@@ -27,6 +27,15 @@ def seconds_since(t0: float, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
 def left_pad(rows: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged token lists -> (tokens [B, W], valid [B, W]) right-aligned."""
     width = max(len(r) for r in rows)

@@ -21,15 +21,7 @@ import torch
 
 from ..models.backend import kv_bytes
 from ..models.kv import KVState
-from .base import DraftContext, Drafter, Proposal, left_pad
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+from .base import DraftContext, Drafter, Proposal, common_prefix, left_pad
 
 
 class CrossTokenizerDrafter(Drafter):

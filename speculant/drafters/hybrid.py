@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import SpeculantError
-from .base import DraftContext, Drafter, Proposal, tree_proposal
+from .base import DraftContext, Drafter, Proposal, common_prefix, tree_proposal
 from .ngram import NgramDrafter
 
 LOOKUP_DECAY = 0.9  # per pass: how fast a row's lookup acceptance estimate follows the text
@@ -133,9 +133,7 @@ class HybridDrafter(Drafter):
     def update(self, new_tokens, n_accepted) -> None:
         for row, ((chain, grade), new) in enumerate(zip(self.last_chain, new_tokens)):
             if chain:  # how far the lookup chain ran along what the target accepted
-                m = 0
-                while m < min(len(chain), len(new)) and chain[m] == new[m]:
-                    m += 1
+                m = common_prefix(chain, new)
                 hits, judged = self.lookup_alpha[row].get(grade, PRIOR)
                 self.lookup_alpha[row][grade] = [LOOKUP_DECAY * hits + m,
                                                  LOOKUP_DECAY * judged + min(m + 1, len(chain), len(new))]

@@ -15,7 +15,7 @@ from ..models import quantized
 from ..models.backend import Backend
 from ..models.loading import LoadedModel, load_model, resolve_model_path
 from ..sampling import TokenHistory
-from .base import DraftContext, Drafter, ListedChains, Proposal, left_pad, seconds_since
+from .base import DraftContext, Drafter, ListedChains, Proposal, common_prefix, left_pad, seconds_since
 from .cross_tokenizer import CrossTokenizerDrafter
 from .spec import Build, DrafterKind, DrafterSpec
 
@@ -125,7 +125,7 @@ class ModelDrafter(Drafter):
         if self.block_start is not None:
             # the drafts fed into the drafter's cache that the text kept: its leading new tokens (the
             # accepted drafts, unless a lookup proposed this row's instead: model:PATH+ngram)
-            keep = torch.tensor([_common_prefix(fed, new) for fed, new in zip(self.fed_drafts, new_tokens)],
+            keep = torch.tensor([common_prefix(fed, new) for fed, new in zip(self.fed_drafts, new_tokens)],
                                 device=self.ctx.device)
             self.state.rollback(self.block_start + keep)
             self.to_feed = [toks[k:] for toks, k in zip(new_tokens, keep.tolist())]
@@ -136,13 +136,6 @@ class ModelDrafter(Drafter):
             self.history.extend(new_tokens)
 
     row_fields = ("state", "block_start", "to_feed", "history", "fed_drafts")  # per-row state (PerRow)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 class LookupFirstDrafter(Drafter):

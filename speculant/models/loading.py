@@ -185,26 +185,6 @@ def check_gguf(path: Path) -> None:
         raise bad("truncated: its tensors' data runs past its end" if ends else "no tensors")
 
 
-CONFIG_BYTES = 16 << 20  # a model's config.json is a few KB
-
-
-def check_config(path: Path) -> None:
-    """A model folder's config.json read as transformers will: JSON text holding an object (a list,
-    a file too large, or nesting deeper than Python's parser follows is one line naming it here,
-    not a traceback from inside transformers)."""
-    text = files.read_text(path, "model config", limit=CONFIG_BYTES, hint="give the model's own config.json")
-    try:
-        cfg = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise SpeculantError(f"{files.shown(path)} is not valid JSON (line {e.lineno}: {e.msg}): "
-                             "give the model's own config.json") from None
-    except RecursionError:
-        raise SpeculantError(f"{files.shown(path)} is nested too deeply to read: give the model's own config.json") from None
-    if not isinstance(cfg, dict):
-        raise SpeculantError(f"{files.shown(path)} holds a JSON {type(cfg).__name__}, not an object of model "
-                             "settings: give the model's own config.json")
-
-
 def resolve_model_path(spec: str) -> Path:
     """A model spec -> the folder or .gguf file it names; a clear error if it is neither (a FIFO, a
     device, an unreadable file or a name too long: one line naming it, nothing blocks)."""
@@ -221,7 +201,8 @@ def resolve_model_path(spec: str) -> Path:
     if files.is_dir(path, "model path"):
         if not files.is_regular(path / "config.json", "model path"):
             raise SpeculantError(f"{files.shown(path)} is not a Hugging Face model folder (it has no config.json)")
-        check_config(path / "config.json")
+        # read as transformers will (a list, a file too large, nesting too deep: one line here)
+        files.read_json_object(path / "config.json", "model config", "give the model's own config.json")
     elif not _is_gguf(path):
         raise SpeculantError(
             f"{files.shown(path)} is not a model: expected a Hugging Face model folder (with config.json) or a .gguf file"

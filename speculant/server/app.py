@@ -261,8 +261,8 @@ async def chat(body: ChatRequest, request: Request):
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     # the tools' schemas are checked keyword by keyword (a pattern's automaton built): off the event
     # loop, on the schema pool, within the schema time limit
-    plan = await asyncio.get_running_loop().run_in_executor(s.schema_pool, _tool_plan, body, s.schema_seconds) \
-        if body.tools else prepare.tool_plan(body)
+    plan = await _on_schema_pool(s, "tools", _tool_plan, body, s.schema_seconds) if body.tools \
+        else prepare.tool_plan(body)
     messages, tools = prepare.message_texts(body), None
     if plan is not None:
         messages, tools = prepare.tool_messages(s.generator, body, messages, plan)
@@ -295,17 +295,16 @@ def _format(body: Sampling, tools: ToolCalls | None) -> tuple[dict | None, str]:
     return (fmt if fmt and fmt.get("type") not in (None, "text") else None), "response_format"
 
 
-async def _prepared(s: Server, fmt: dict, prompts: list[list[int]], field: str):
-    """The request's schema processor, prepared on the server's own small pool (one at a time, at most
-    MAX_SCHEMAS_WAITING queued: past them a 429 at once), so that slow schemas hold neither the
-    threads that read other requests nor one another's clients for long."""
+async def _on_schema_pool(s: Server, field: str, fn, *args):
+    """``fn(*args)`` (a schema's preparation, the tools' schemas checked) on the server's own small
+    pool (one at a time, at most MAX_SCHEMAS_WAITING queued: past them a 429 at once), so that slow
+    schemas hold neither the threads that read other requests nor one another's clients for long."""
     if s.schemas_waiting >= MAX_SCHEMAS_WAITING:
         raise ApiError(429, f"{s.schemas_waiting} JSON schemas are being prepared: retry in a few seconds",
                        field, retry_after=int(s.schemas_waiting * s.schema_seconds) + 1)
     s.schemas_waiting += 1  # the event loop's thread alone counts
     try:
-        return await asyncio.get_running_loop().run_in_executor(
-            s.schema_pool, prepare.format_processor, s.generator, fmt, prompts, s.schema_seconds, field)
+        return await asyncio.get_running_loop().run_in_executor(s.schema_pool, fn, *args)
     finally:
         s.schemas_waiting -= 1
 
@@ -322,7 +321,8 @@ async def serve(request: Request, body: Sampling, prompts: list[list[int]], chat
     stop, need, extra = prepare.check_request(gen, body, prompts, max_tokens, settings, logprobs, fmt is not None,
                                               s.memory_budget)
     if fmt is not None:  # built and its first states computed in a worker, stopped at its time limit
-        settings["logits_processors"] = [await _prepared(s, fmt, prompts, field)]
+        settings["logits_processors"] = [await _on_schema_pool(s, field, prepare.format_processor, s.generator, fmt,
+                                                               prompts, s.schema_seconds, field)]
     choices = len(prompts) * body.n
     call = Call(gen.decode, stop, choices, s.request_timeout, s.metrics, request.url.path)
     jobs = prepare.make_jobs(body, prompts, max_tokens, stop, settings, call.sink_for, extra)

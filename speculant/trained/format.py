@@ -60,18 +60,8 @@ def read_config(folder: str | Path, check: Callable[[dict], None] | None = None)
     if not files.is_regular(path / "config.json", "drafter folder"):
         raise SpeculantError(f"'{folder}' is not a drafter folder: it has no config.json (train one with "
                              "`speculant train` or give a speculators-format folder)")
-    try:
-        cfg = json.loads(files.read_text(path / "config.json", "drafter config", limit=16 << 20))
-    except SpeculantError:  # a FIFO, a file too large: said as it is
-        raise
-    except ValueError as e:
-        raise SpeculantError(f"{path / 'config.json'} is not valid JSON ({e})") from None
-    except RecursionError:
-        raise SpeculantError(f"{path / 'config.json'} is nested too deeply to read: give a folder `speculant train` "
-                             "or speculators wrote") from None
-    if not isinstance(cfg, dict):
-        raise SpeculantError(f"{path / 'config.json'} holds a JSON {type(cfg).__name__}, not an object of drafter "
-                             "settings: give a folder `speculant train` or speculators wrote")
+    cfg = files.read_json_object(path / "config.json", "drafter config",
+                                 "give a folder `speculant train` or speculators wrote")
     if check is not None:
         check(cfg)
     if not files.is_regular(path / "model.safetensors", "drafter weights"):
