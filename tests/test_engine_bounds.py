@@ -21,6 +21,7 @@ from speculant.models.quantized import QuantLinear, QuantWeight
 from speculant.server import scheduler as scheduler_module
 from speculant.server.scheduler import Job, Refused, Scheduler
 from helpers import Served, save_tiny_folder
+from test_quantized import ISA
 
 
 def _busy(seconds: float) -> None:
@@ -286,17 +287,26 @@ def test_another_groups_request_runs_beside_a_long_batch_not_after_it():
         assert len(ended) == 2 and (ended["short"] < ended["long"]) == short_first, (max_batches, ended)
 
 
-def test_a_long_prompt_prefilled_in_chunks_gives_the_very_text_of_one_prefill(tmp_path):
+@pytest.mark.parametrize("isa", sorted(ISA))
+def test_a_long_prompt_prefilled_in_chunks_gives_the_very_text_of_one_prefill(tmp_path, monkeypatch, isa):
     """q8 (each row the same bits at any width, keys read back from the cache as written): a prompt
     prefilled 64 tokens a step, with another batch started and stepped between its chunks, gives
-    the very tokens of one prefill, greedy and seeded-sampled, and it did yield between chunks."""
+    the very tokens of one prefill, greedy and seeded-sampled, and it did yield between chunks; on
+    every x86 branch (AVX-512, AVX2, plain vectors) built on this CPU."""
+    import platform
+
     import speculant
     from helpers import write_tiny_gguf
 
-    if quantized.kernels() is None:
+    if isa != "native" and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("ISA flags for x86 only")
+    module = quantized.build(ISA[isa])
+    if module is None:
         pytest.skip("no C++ compiler for the CPU kernels")
+    monkeypatch.setattr(quantized, "kernels", lambda: module)
     path = write_tiny_gguf(tmp_path / "tiny.gguf", "Q4_K", arch="qwen2", bias=True)
     gen = speculant.load(str(path), drafter="ngram", dtype="q8", device="cpu")
+    assert module.isa() in gen.engine.backend.info()["cpu_kernels"]  # this build's branch runs the passes
     g = torch.Generator().manual_seed(5)
     long = torch.randint(0, 256, (300,), generator=g).tolist()
     long = long[:150] + long[:150]  # a repeat, so prompt lookup drafts
