@@ -266,13 +266,14 @@ class Generator:
 
     def start_batch(self, prompt_ids: list[list[int]], max_new_tokens: list[int], stops: list, gamma=None,
                     seed=None, cancelled=None, speculate: bool = True, row_sampling: list[dict] | None = None,
-                    chunk: int = 0, **sampling) -> Batch:
+                    chunk=0, **sampling) -> Batch:
         """Prefill a batch to be stepped pass by pass (``engine.step``), joined between passes by
         other batches of the same γ setting (``engine.join``: continuous batching) and finished
         (``engine.finish``). A token budget, stop strings and seed per prompt (lists), sampling
         settings per prompt (``row_sampling``), ``cancelled(row) -> bool`` to end a row early;
         ``speculate=False``: plain decoding through the same engine. With ``chunk``: not the Batch
-        but ``engine.start_steps``' generator, prefilling ``chunk`` prompt tokens a step."""
+        but ``engine.start_steps``' generator, prefilling ``chunk`` prompt tokens a step (or as many as
+        ``chunk()`` says before each step)."""
         req = self._request(prompt_ids, list(max_new_tokens), gamma, seed, [check_stop(x) for x in stops], sampling,
                             cancelled, speculate, row_sampling)
         return self.engine.start_steps(req, chunk) if chunk else self.engine.start(req)

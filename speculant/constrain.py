@@ -8,28 +8,27 @@ so masking stays lossless and drafts that obey the constraint keep being accepte
 JSON schema constraints use lm-format-enforcer (``pip install lm-format-enforcer``): its states
 are keyed by the token prefix (here by a digest of it), so it answers for any draft prefix, not
 only for the one sequence plain decoding would walk. A schema is bounded (``speculant.limits``:
-size, nesting, alternatives) and prepared within a time limit: the server computes each prompt's
-first state, the costly part, in a child process killed at the limit, so the engine never waits
-on it.
+size, nesting, alternatives) and prepared within a time limit. The server runs each request's
+parser in a child process of its own (``schema_worker``): the prompts' first states, the costly
+part, within the limit, then every state the output needs, so no parser work runs on the engine
+thread or holds the GIL.
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import json
 import multiprocessing
 import os
 import threading
 import time
-import warnings
 from contextlib import contextmanager
-from array import array
 from typing import Callable
 
 import torch
 
 from .errors import SpeculantError
 from .schema_keywords import enforceable
+from .schema_worker import SchemaWorker, host, serve, text_key
 from .limits import (MAX_SCHEMA_ALTERNATIVES, MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, SCHEMA_REQUEST_SECONDS, SCHEMA_SECONDS,
                      SCHEMA_STATE_SECONDS, SCHEMA_STATE_SHARE)
 
@@ -50,13 +49,32 @@ def allowed_tokens_processor(allowed: Callable[[list[int]], list[int]]):
 _TOKENIZER_DATA: dict = {}  # (id(tokenizer), eos) -> (tokenizer, data): building it decodes the whole vocabulary
 
 
+def _data_key(tokenizer, eos_token_ids) -> tuple:
+    return id(tokenizer), tuple(sorted(eos_token_ids or ()))
+
+
 def _tokenizer_data(tokenizer, eos_token_ids):
     """lm-format-enforcer's view of a tokenizer (its own transformers integration imports a module
     transformers 5 removed, so this is that function, rebuilt on the public tokenizer API)."""
-    key = (id(tokenizer), tuple(sorted(eos_token_ids or ())))
+    key = _data_key(tokenizer, eos_token_ids)
     if key not in _TOKENIZER_DATA:
         _TOKENIZER_DATA[key] = (tokenizer, _build_tokenizer_data(tokenizer, eos_token_ids))
     return _TOKENIZER_DATA[key][1]
+
+
+def warm(tokenizer, eos_token_ids) -> None:
+    """lm-format-enforcer's view of the tokenizer built now, where it is installed (~1 s and ~50 MB
+    for a 49k vocabulary), and the process that forks each request's parser: a server does it as
+    it starts, since done at its first schema that second of Python (and the fork) would hold the
+    requests beside it."""
+    try:
+        import lmformatenforcer  # noqa: F401
+    except ImportError:
+        return
+    if tokenizer is not None:
+        _tokenizer_data(tokenizer, eos_token_ids)
+        if "fork" in multiprocessing.get_all_start_methods():
+            host(_data_key(tokenizer, eos_token_ids))  # forked now, with the data: the server never forks again
 
 
 def _build_tokenizer_data(tokenizer, eos_token_ids):
@@ -157,6 +175,12 @@ class _Watchdog:
     AGAIN = 0.05
 
     def __init__(self):
+        self._reset()
+        # a forked child (a schema's parser: schema_worker) has none of its parent's threads: it
+        # starts a watch thread of its own, with a lock no parent thread may have held at the fork
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
         self.cond = threading.Condition()
         self.deadlines: dict[int, float] = {}  # thread id -> when to raise _Late in it (monotonic)
         self.thread: threading.Thread | None = None
@@ -212,9 +236,7 @@ class SchemaProcessor:
         self.spent, self.computed = 0.0, 0  # seconds of parser work, states computed
         self.dead_ends: set[tuple[int, bytes]] = set()  # texts where no token of the model goes on
 
-    @staticmethod
-    def _key(ids) -> tuple[int, bytes]:
-        return len(ids), hashlib.blake2b(array("q", ids).tobytes(), digest_size=16).digest()
+    _key = staticmethod(text_key)
 
     def allowed(self, token_ids: list[int]) -> list[int]:
         """The token ids allowed after ``token_ids`` (the prompt, the output so far, drafts), each new
@@ -286,15 +308,6 @@ class SchemaProcessor:
         """A prompt's first state, the costly part, outside the budget (its caller bounds it)."""
         if self.states.get(self._key(list(prompt))) is None:
             self._compute(list(prompt))
-
-    def seed(self, prompt: list[int], table: list[int]) -> None:
-        """A prompt's first state with its table computed elsewhere (``prepare`` in a child process)."""
-        from lmformatenforcer.tokenlist import TokenList
-
-        enf = self.enforcer
-        tokens = TokenList(False, enf.vocab_size)
-        tokens.allowed_tokens = table
-        self.states[self._key(prompt)] = type(enf).OutputTensorState(parser=enf.root_parser, allowed_tokens=tokens)
 
     @property
     def size(self) -> int:
@@ -374,58 +387,45 @@ def _held(schema: dict | None) -> dict | None:
     return held
 
 
-def _first_tables(data, schema, prompts, conn) -> None:
-    """In a child process: the schema as the parser holds it and the prompts' first tables, sent
-    back (or why the schema is refused). It runs at a lower priority than the engine: on a busy
-    machine a pass waits for no schema."""
+def _parser_main(key, schema, prompts, conn) -> None:
+    """In the request's parser process (``schema_worker.SchemaHost``): the schema as the parser
+    holds it, the prompts' first states, then every state the output needs (``schema_worker.serve``),
+    or why the schema is refused. ``key``: the tokenizer's data, which the host had when forked."""
     try:
-        os.nice(10)
-    except (AttributeError, OSError):
-        pass
-    try:
-        held = _held(schema)
-        proc = _build(data, held, prompts)
-        conn.send(("ok", (held, [list(proc.allowed(list(p))) for p in prompts])))
+        proc = _build(_TOKENIZER_DATA[key][1], _held(schema), prompts)
     except SpeculantError as e:
         conn.send(("refused", str(e)))
-    except BaseException:  # noqa: BLE001 -- the parent says it in one line
+        return
+    except BaseException:  # noqa: BLE001 -- the server says it in one line
         conn.send(("refused", "unusable JSON schema: it could not be prepared"))
-    finally:
-        conn.close()
+        return
+    serve(proc, prompts, conn)
 
 
-def _in_child(data, schema, prompts, seconds: float) -> tuple[dict | None, list[list[int]]]:
-    """The prompts' first tables computed in a forked child process (the parent's tokenizer data
-    shared, copy on write), killed after ``seconds``: its Python work never holds this process's
-    GIL, so the engine thread keeps its pace while a schema is prepared."""
-    ctx = multiprocessing.get_context("fork")
-    receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_first_tables, args=(data, schema, prompts, send), daemon=True,
-                        name="speculant-prepare")
-    with warnings.catch_warnings():  # Python's note that forking a threaded process is unsafe in general:
-        warnings.simplefilter("ignore", DeprecationWarning)  # the child runs pure Python and exits
-        child.start()
-    send.close()
+def _in_child(key, schema, prompts, seconds: float) -> SchemaWorker:
+    """The request's parser in a process of its own (``schema_worker``: forked by a small host
+    process, the tokenizer data shared), its prompts' first states computed within ``seconds`` (it
+    ends itself at the limit): its Python work never holds this process's GIL or the engine."""
+    here = host(key).start(_parser_main, (key, schema, prompts), seconds)
+    data = _TOKENIZER_DATA[key][1]
+    kind, value = "refused", "unusable JSON schema: it could not be prepared"
     try:
-        if not receive.poll(seconds):
-            raise SpeculantError(f"the JSON schema takes longer than {seconds:g} s to prepare: send a simpler one "
-                                 "(fewer alternatives, a smaller schema)")
-        try:
-            kind, value = receive.recv()
-        except (EOFError, OSError):
-            raise SpeculantError("unusable JSON schema: it could not be prepared") from None
-    finally:
-        if child.is_alive():
-            child.kill()
-        child.join()
-        receive.close()
+        if not here.poll(seconds):
+            value = f"the JSON schema takes longer than {seconds:g} s to prepare: send a simpler one (fewer " \
+                    "alternatives, a smaller schema)"
+        else:
+            kind, value = here.recv()
+    except (EOFError, OSError):
+        pass
     if kind != "ok":
+        here.close()
         raise SpeculantError(value)
-    return value
+    eos = data.eos_token_id
+    return SchemaWorker(here, data.vocab_size, eos if isinstance(eos, list) else [eos], value, SCHEMA_STATE_SECONDS)
 
 
 def json_schema_processor(tokenizer, schema: dict | None = None, eos_token_ids=None, prompts=None,
-                          timeout: float | None = SCHEMA_SECONDS) -> SchemaProcessor:
+                          timeout: float | None = SCHEMA_SECONDS) -> "SchemaProcessor | SchemaWorker":
     """A processor that forces the output to be JSON matching ``schema`` (any JSON object if None).
     ``eos_token_ids``: the tokens that may end the output once the JSON is complete. The schema is
     checked against the bounds of ``speculant.limits`` and prepared within ``timeout`` seconds (None:
@@ -447,9 +447,5 @@ def json_schema_processor(tokenizer, schema: dict | None = None, eos_token_ids=N
         if timeout is None:
             return _build(data, _held(schema), prompts)
         if prompts and "fork" in multiprocessing.get_all_start_methods():
-            held, tables = _in_child(data, schema, prompts, timeout)
-            proc = within(timeout, lambda: _build(data, held, ()), "the JSON schema")
-            for p, table in zip(prompts, tables):
-                proc.seed(p, table)
-            return proc
+            return _in_child(_data_key(tokenizer, eos_token_ids), schema, prompts, timeout)
         return within(timeout, lambda: _build(data, _held(schema), prompts), "the JSON schema")

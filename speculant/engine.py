@@ -7,9 +7,10 @@ of tokens; finished rows (EOS, stop string, max_new_tokens) leave the batch.
 """
 from __future__ import annotations
 
+import multiprocessing.connection
 import time
 from dataclasses import dataclass, field, replace
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -19,9 +20,18 @@ from .drafters.model import left_pad
 from .errors import SpeculantError
 from .models.backend import Backend
 from .rows import PerRow
-from .sampling import LogitsProcessing, SamplingParams, SeededRows, TokenHistory, row_seed, token_logprobs
+from .sampling import Context, LogitsProcessing, SamplingParams, SeededRows, TokenHistory, row_seed, token_logprobs
+from .schema_worker import drafting
 from .tree import block_layout, check_tree, depths, is_chain, path_block_index, tree_depths
 from .verify import greedy_accept, greedy_verify, sample_verify, tree_greedy_verify, tree_sample_verify
+
+
+class _Waiting:
+    def __repr__(self) -> str:
+        return "WAITING"
+
+
+WAITING = _Waiting()  # what a step yields while its processing's answers have not come (Engine.step)
 
 
 @dataclass
@@ -203,14 +213,21 @@ class Engine:
         batch = self.start(req)
         try:
             while not batch.done:
-                yield from self.step(batch)
+                for item in self.step(batch):
+                    if item is WAITING:
+                        self.wait([batch], 0.05)
+                    else:
+                        yield item
         finally:  # also when the caller stops early (a closed stream): the caches and drafter go back
             rows = self.finish(batch)
         return rows
 
     def step(self, batch: "Batch") -> Iterator[tuple[int, list[int]]]:
         """One pass: hand out the tokens the last pass accepted (rows that end leave the batch),
-        then draft, verify in ONE target pass, and account."""
+        then draft, verify in ONE target pass, and account. Where the batch's processing computes
+        ahead in other processes (a JSON schema's parser: ``LogitsProcessing.prefetch``), the step
+        yields WAITING until their answers have come: the caller may step other batches meanwhile
+        (and ``wait``), then goes on with this step."""
         b = batch
         yield from self._emit(b)
         if b.done:
@@ -220,9 +237,16 @@ class Engine:
         prop, plan = self._draft(b, self._room(b) - 1)
         sync(self.device)
         t1 = time.perf_counter()
-        self._verify(b, prop)
+        waited = yield from self._verify(b, prop)
         sync(self.device)
-        self._account(b, prop, plan, t1 - t0, time.perf_counter() - t1)
+        self._account(b, prop, plan, t1 - t0, time.perf_counter() - t1 - waited)
+
+    def wait(self, batches: list["Batch"], seconds: float) -> None:
+        """Until an answer that one of these batches' steps waits for comes (its processors' work
+        in processes of their own), or ``seconds`` pass; the GIL is released meanwhile."""
+        conns = [c for b in batches for c in b.proc.connections()]
+        if conns:
+            multiprocessing.connection.wait(conns, seconds)
 
     def start(self, req: Request) -> "Batch":
         """Prefill a request's rows: the prompt through the target, whose last position is judged
@@ -232,12 +256,13 @@ class Engine:
         stepped in any order."""
         return drain(self.start_steps(req))
 
-    def start_steps(self, req: Request, chunk: int = 0) -> Iterator[None]:
+    def start_steps(self, req: Request, chunk: "int | Callable[[], int]" = 0) -> Iterator[None]:
         """``start``'s work, the prompts ``chunk`` tokens at a time where that gives the very cache
         and logits of one prefill (``state.prefills_in_chunks``: q8, each row the same bits at any
         width; prompts of one length): a generator that yields after each chunk but the last and
         returns the Batch, so that other batches' passes may run between chunks (a long prompt
-        holds no one). Closed early, it gives back what it took."""
+        holds no one). ``chunk`` may be a callable, asked before each chunk (chunks of any sizes
+        give the same bits). Closed early, it gives back what it took."""
         drafter = self.drafter if not self.drafter_busy else self.drafter.fork()
         self.drafter_busy |= drafter is self.drafter  # taken now: a start between this one's chunks forks
         state = None
@@ -254,7 +279,7 @@ class Engine:
             raise
 
     def _prefill(self, req: Request, state, drafter: Drafter, most: int, max_tokens: int,
-                 chunk: int = 0) -> Iterator[None]:
+                 chunk: "int | Callable[[], int]" = 0) -> Iterator[None]:
         # before the clock: the backend's first info() proves its kernels' width invariance (~0.3 s
         # once a model on a CPU), no part of a request's time (speculant.load does it while loading)
         backend = self.backend.info()
@@ -284,16 +309,19 @@ class Engine:
         b = Batch(rows=rows, slots=[Slot(i, r.logprobs) for i, r in enumerate(req.rows)], gamma=req.gamma,
                   gamma_max=req.gamma_max, proc=proc, generator=generator, state=state, drafter=drafter,
                   history=history, seeded=SeededRows([r.seed for r in req.rows], dev), control=control, taps=taps)
-        w = tokens.shape[1]
-        if chunk and w > chunk and not taps and bool(valid.all()) and getattr(state, "prefills_in_chunks", bool)():
-            for at in range(0, w - chunk, chunk):  # every chunk but the last: its logits are not needed
-                state.append(tokens[:, at : at + chunk], None, last_only=True)
+        w, size = tokens.shape[1], chunk() if callable(chunk) else chunk
+        if size and w > size and not taps and bool(valid.all()) and getattr(state, "prefills_in_chunks", bool)():
+            at = 0
+            while w - at > size:  # every chunk but the last: its logits are not needed
+                state.append(tokens[:, at : at + size], None, last_only=True)
+                at += size
                 yield
-            tokens, valid = tokens[:, at + chunk :], valid[:, at + chunk :]
+                size = max(1, chunk() if callable(chunk) else chunk)
+            tokens, valid = tokens[:, at:], valid[:, at:]
         out = state.append(tokens, valid, last_only=True, taps=taps)
         logits, hidden = out if taps else (out, None)
         empty = self._empty(n)
-        nxt, n_acc, logp = self._decide(b, logits[:, -1:], empty)
+        nxt, n_acc, logp = self._decide(b, logits[:, -1:], empty, history.block(empty.tokens) if history else None)
         prompt_hidden = [hidden[b_, valid[b_]] for b_ in range(n)] if taps else None
         # hidden states of the tokens the last pass cached: none yet (the prompt's go to the drafter's start)
         self._hand_over(b, nxt, [[t] for t in nxt.tolist()], logp, [h[:0] for h in prompt_hidden] if taps else None)
@@ -421,12 +449,14 @@ class Engine:
             check_proposal(prop, batch, budget, self.vocab_size, self.device)
             return prop
 
-        plan = b.control.plan(room, propose)
+        with drafting():  # a processor that computes ahead leaves q unprocessed where it has no answer yet
+            plan = b.control.plan(room, propose)
         return _cap(plan.prop, plan.caps, lambda width: b.state.block_width(width, room), lambda: self._empty(batch)), plan
 
-    def _verify(self, b: "Batch", prop: Proposal) -> None:
+    def _verify(self, b: "Batch", prop: Proposal) -> Iterator[object]:
         """Score [pending token + drafts] in ONE target pass, accept, and keep exactly the accepted
-        text in the cache; the accepted tokens wait in the slots for the next pass's ``_emit``."""
+        text in the cache; the accepted tokens wait in the slots for the next pass's ``_emit``.
+        Yields WAITING while the processing's answers have not come; returns the seconds waited."""
         plain = prop.tokens.shape[1] == 0  # a pass that verifies nothing: its one token, no rollback
         block = b.pending[:, None] if plain else torch.cat([b.pending[:, None], prop.tokens], dim=1)
         start = None if plain else b.state.lengths()
@@ -438,9 +468,16 @@ class Engine:
             prop = replace(prop, parents=None)
         elif prop.parents is not None:
             tree = block_layout(prop.parents)
+        seen = None if tree is None else tree[1][:, :, 1:]
+        context = b.history.block(prop.tokens, seen) if b.history is not None else None
+        ahead = b.proc.computes_ahead and not b.proc.prefetch(context)  # asked now: answered during the pass
         out = b.state.append(block, tree=tree, taps=b.taps)
         logits, hidden = out if b.taps else (out, None)
-        nxt, n, logp = self._decide(b, logits, prop, seen=None if tree is None else tree[1][:, :, 1:])
+        t0 = time.perf_counter()
+        while ahead and not b.proc.prefetch(context):
+            yield WAITING
+        waited = time.perf_counter() - t0
+        nxt, n, logp = self._decide(b, logits, prop, context)
         accepted = n.tolist()
         if tree is None:
             if not plain:
@@ -460,13 +497,13 @@ class Engine:
             fed = [hidden[i, : k + 1] if steps is None else hidden[i, steps[i, : k + 1]]
                    for i, k in enumerate(accepted)]
         self._hand_over(b, nxt, emitted, logp, fed)
+        return waited
 
-    def _decide(self, b: "Batch", logits: torch.Tensor, prop: Proposal, seen=None):
-        """Each row's accepted drafts and next token from the target's logits over a block
-        (position t has seen the first t drafts, or for a tree the nodes ``seen`` marks): (next
-        token [B], accepted n [B], what logprobs report [B, T, V] or None); a tree's accepted path
-        goes to ``b.path``."""
-        context = b.history.block(prop.tokens, seen) if b.history is not None else None
+    def _decide(self, b: "Batch", logits: torch.Tensor, prop: Proposal, context: Context | None):
+        """Each row's accepted drafts and next token from the target's logits over a block, each
+        position processed in its ``context`` (position t has seen the first t drafts, or a tree's
+        node its ancestors): (next token [B], accepted n [B], what logprobs report [B, T, V] or
+        None); a tree's accepted path goes to ``b.path``."""
         scores = b.proc.scores(logits, context)
         probs = None if b.proc.greedy else b.proc.warp(scores)  # a greedy row among sampled ones: one-hot
         n, nxt, b.path = _accept(scores, probs, prop, b.proc, b.generator, b.seeded)

@@ -22,12 +22,14 @@ MAX_SCHEMA_BYTES = 64 * 1024  # as JSON
 MAX_SCHEMA_DEPTH = 64  # nesting of the schema document
 MAX_SCHEMA_ALTERNATIVES = 128  # anyOf / oneOf / allOf members, summed
 SCHEMA_SECONDS = 5.0
-# the parser's work while the output is written, on the engine thread: at most this long for one
-# state (an ordinary schema takes milliseconds), and for all of a request's states this long plus
+# the parser's work while the output is written (the server's: in the request's own process, at a
+# lower priority than the engine; the Python API's: on its thread): at most this long for one state
+# (an ordinary schema's take 1 ms to 0.5 s with a 49k vocabulary: each state inside a string with a
+# maxLength walks the whole vocabulary), and for all of a request's states this long plus
 # SCHEMA_STATE_SHARE a state; over either the request ends with an error and the batch goes on
-SCHEMA_STATE_SECONDS = 0.5
-SCHEMA_REQUEST_SECONDS = 2.0
-SCHEMA_STATE_SHARE = 0.02
+SCHEMA_STATE_SECONDS = 2.0
+SCHEMA_REQUEST_SECONDS = 10.0
+SCHEMA_STATE_SHARE = 0.2
 MEMORY_SHARE = 0.5  # of the memory free when a generator is built: the default budget of one request
 SERVER_MEMORY_SHARE = 0.8  # of the memory free when a server starts: its default budget for all its requests
 

@@ -426,6 +426,7 @@ class LogitsProcessing(PerRow):
         """Rows by equal settings: [(setting, row indexes)] (one group with rows None: every row)."""
         if self.rows is None:
             self.groups = [(self._settings[0], None)]
+            self.computes_ahead = any(hasattr(f, "prefetch") for f in self._settings[0].params.logits_processors)
             return
         groups = []
         for r, p in enumerate(self.rows):
@@ -438,6 +439,7 @@ class LogitsProcessing(PerRow):
                 groups.append((setting, [r]))
         self._settings = [s for s, _ in groups]
         self.groups = [(s, None) for s, _ in groups] if len(groups) == 1 else groups
+        self.computes_ahead = any(hasattr(f, "prefetch") for s, _ in self.groups for f in s.params.logits_processors)
 
     @property
     def params(self) -> SamplingParams | None:
@@ -471,6 +473,24 @@ class LogitsProcessing(PerRow):
     def _join_more(self, other: "LogitsProcessing") -> None:
         self._settings += other._settings
         self._group()
+
+    def prefetch(self, ctx: Context) -> bool:
+        """Hand the processors that compute ahead (``prefetch(texts) -> ready``: a JSON schema's parser
+        in a process of its own) the texts a pass will score, each its rows'; whether every answer
+        has come."""
+        ready, batch = True, len(self.rows) if self.rows is not None else None
+        for setting, idx in self.groups:
+            fns = [f for f in setting.params.logits_processors if hasattr(f, "prefetch")]
+            if fns:
+                texts = (ctx if idx is None else _rows_of(ctx, idx, batch)).token_ids
+                for f in fns:
+                    ready = f.prefetch(texts) and ready  # every one asked, ready or not
+        return ready
+
+    def connections(self) -> list:
+        """What the processors that compute ahead wait on (``multiprocessing.connection.wait``)."""
+        conns = (getattr(f, "connection", lambda: None)() for s, _ in self.groups for f in s.params.logits_processors)
+        return [c for c in conns if c is not None]
 
     def _by_group(self, fn, x: torch.Tensor, ctx: Context | None = None) -> torch.Tensor:
         if len(self.groups) == 1:

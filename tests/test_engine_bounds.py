@@ -290,9 +290,10 @@ def test_another_groups_request_runs_beside_a_long_batch_not_after_it():
 @pytest.mark.parametrize("isa", sorted(ISA))
 def test_a_long_prompt_prefilled_in_chunks_gives_the_very_text_of_one_prefill(tmp_path, monkeypatch, isa):
     """q8 (each row the same bits at any width, keys read back from the cache as written): a prompt
-    prefilled 64 tokens a step, with another batch started and stepped between its chunks, gives
-    the very tokens of one prefill, greedy and seeded-sampled, and it did yield between chunks; on
-    every x86 branch (AVX-512, AVX2, plain vectors) built on this CPU."""
+    prefilled 64 tokens a step, or steps of other sizes each (as the scheduler's time slices give),
+    with another batch started and stepped between its chunks, gives the very tokens of one
+    prefill, greedy and seeded-sampled, and it did yield between chunks; on every x86 branch
+    (AVX-512, AVX2, plain vectors) built on this CPU."""
     import platform
 
     import speculant
@@ -311,11 +312,13 @@ def test_a_long_prompt_prefilled_in_chunks_gives_the_very_text_of_one_prefill(tm
     long = torch.randint(0, 256, (300,), generator=g).tolist()
     long = long[:150] + long[:150]  # a repeat, so prompt lookup drafts
     short = [7, 8, 9, 10]
-    for sampling in ({"temperature": 0.0}, {"temperature": 0.8, "seed": 11}):
+    sizes = iter([7, 64, 1, 33, 100, 16] * 10)
+    for sampling, chunk, expected in [({"temperature": 0.0}, 64, 4), ({"temperature": 0.8, "seed": 11}, 64, 4),
+                                      ({"temperature": 0.0}, lambda: next(sizes), 9)]:
         seed = sampling.get("seed")
         settings = {k: v for k, v in sampling.items() if k != "seed"}
         want = gen.generate_ids([long], max_new_tokens=24, seed=seed, **settings)[0].token_ids
-        steps = gen.start_batch([long], [24], [[]], seed=seed, chunk=64, **settings)
+        steps = gen.start_batch([long], [24], [[]], seed=seed, chunk=chunk, **settings)
         chunks, other, batch = 0, None, None
         while batch is None:
             try:
@@ -331,7 +334,7 @@ def test_a_long_prompt_prefilled_in_chunks_gives_the_very_text_of_one_prefill(tm
             list(gen.engine.step(batch))
         got = gen.engine.finish(batch)[0].tokens
         gen.engine.finish(other)
-        assert chunks == 4 and got == want, (sampling, chunks)
+        assert chunks == expected and got == want, (sampling, chunks)
         assert gen.generate_ids([short], 8)[0].token_ids  # the engine is whole after
 
 

@@ -15,7 +15,8 @@ ROOT = Path(speculant.__file__).parent
 LAYERS = [
     ("base", ["speculant.errors", "speculant.files", "speculant.limits", "speculant.rows", "speculant.version",
               "speculant.schema_keywords"]),
-    ("kernels", ["speculant.sampling", "speculant.verify", "speculant.tree", "speculant.constrain"]),
+    ("kernels", ["speculant.sampling", "speculant.verify", "speculant.tree", "speculant.schema_worker",
+                 "speculant.constrain"]),
     ("models", ["speculant.models"]),
     ("trained networks", ["speculant.trained"]),
     ("drafters", ["speculant.drafters"]),

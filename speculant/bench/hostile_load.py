@@ -115,6 +115,8 @@ def run_case(url: str, requests: list[tuple[str, dict]]) -> dict:
             "hostile_seconds_max": round(max(r[2] for r in results), 3),
             "ordinary_requests": len(ordinary), "ordinary_seconds_max": round(max(ordinary), 3),
             "ordinary_seconds_median": round(statistics.median(ordinary), 3),
+            "ordinary_seconds_p95": round(statistics.quantiles(ordinary, n=20, method="inclusive")[-1], 3) if len(ordinary) > 1 else None,
+            "ordinary_seconds": [round(x, 3) for x in ordinary],
             "health_seconds_max": round(max(health), 4) if health else None, "health_probes": len(health)}
 
 

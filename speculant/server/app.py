@@ -32,6 +32,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..api import free_memory
+from ..constrain import warm
 from ..errors import SpeculantError
 from ..limits import SCHEMA_SECONDS, SERVER_MEMORY_SHARE
 from . import prepare
@@ -83,6 +84,7 @@ def create_app(generator, model_name: str = "default", api_key: str | None = Non
     request ``generator.memory_budget`` of them; a body may be ``max_body_bytes`` long; a JSON schema
     may take ``schema_seconds`` to prepare."""
     check_api_key(api_key)
+    warm(generator.tokenizer, generator.target.eos_token_ids)  # what every JSON schema's parser reads
     budget = int(max_memory) if max_memory is not None else default_memory_budget(generator)
     sched = Scheduler(generator, max_batch_size, max_queue, memory_budget=budget, request_timeout=request_timeout)
     metrics = Metrics(sched.queue_depth, sched.batch_size, lambda: sched.held, lambda: budget)

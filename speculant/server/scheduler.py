@@ -9,7 +9,8 @@ per row, and a seeded job's text does not depend on what shares its batch). Betw
 jobs of that group that arrived meanwhile are prefilled and **join the running batch** (continuous
 batching), as long as there is room and the drafter can take rows of another batch; jobs of
 another group start a batch of their own **beside it** (up to ``max_batches``, each with its own
-caches and drafter state: the engine steps them a pass each in turn), so a long request of one kind
+caches and drafter state: the engine shares its time between them fairly, the batch that has had
+the least going next), so a long request of one kind
 (a JSON schema's, say) never holds the others for its whole length. Rows leave as they finish
 (EOS, stop, length, cancel) and their client hears at once.
 
@@ -47,6 +48,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..engine import WAITING
 from ..errors import SpeculantError
 from ..limits import gib
 
@@ -54,9 +56,13 @@ log = logging.getLogger("speculant.server")
 BATCH_SETTINGS = ("gamma", "speculate")  # what a batch's rows share; the rest of Job.sampling is per row
 TRIM_AFTER = 32 * 2**20  # a batch start or join charged this much trims the C heap after its prefill
 MAX_ROWS_PER_BATCH = 1024  # rows one batch admits in its life: a batch keeps its finished rows until it ends
-PREFILL_CHUNK = 64  # prompt tokens a step of a long prompt's prefill (one over 2 chunks is prefilled in steps)
+LONG_PROMPT = 128  # tokens: a longer prompt is prefilled in steps, in a batch of its own
+PREFILL_SLICE = 0.015  # seconds a step of its prefill should take: the wait of a request that comes meanwhile
+PREFILL_TOKENS = (4, 256)  # the fewest and the most prompt tokens a step
+PASSES_PER_PREFILL = 3.0  # a prefill's step counts this many times its time: beside it, passes get 3/4 of the engine
 HOLD_AFTER = 10.0  # seconds a job that does not fit the memory lets smaller later ones go first
 MEMORY_WAIT = 60.0  # seconds a job may wait for memory before it is refused
+WAIT_SLICE = 0.005  # seconds the engine waits at most for a processing's answer when every batch waits
 
 
 class Refused(str):
@@ -147,6 +153,10 @@ class _Running:
     charge: int = 0
     admitted: int = 0
     prefill: object = None  # engine.start_steps' generator, until the batch is prefilled
+    chunk: int = 0  # prompt tokens its prefill's step in progress takes
+    used: float = 0.0  # the engine's seconds it has had (its prefill's weighted), against the others'
+    token_seconds: float = 0.0  # its prefill's seconds a prompt token, as measured (0: not yet)
+    step: object = None  # engine.step's generator while it waits for its processing's answers (WAITING)
 
     def live(self) -> list[Job]:
         return [self.jobs[r] for r in self.batch.active]
@@ -325,7 +335,7 @@ class Scheduler:
 
     def _long(self, job: Job) -> bool:
         """A prompt prefilled in chunks: in a batch of its own (its request's other choices beside it)."""
-        return self.chunks and len(job.prompt) > 2 * PREFILL_CHUNK
+        return self.chunks and len(job.prompt) > LONG_PROMPT
 
     def _take(self, group, room: int, base: list[Job], run: "_Running | None" = None,
               like: list[int] | None = None) -> list[Job]:
@@ -379,6 +389,18 @@ class Scheduler:
             if not j.reported:
                 j.reported = True
                 j.sink(("error", message))
+        self._release(jobs)
+
+    def _release(self, jobs: list[Job]) -> None:
+        """The processes of these ended jobs' processors (a JSON schema's parser) end, once no job
+        that shares them (a request's other choices) runs or waits."""
+        with self.lock:
+            live = {id(f) for j in (*self.running, *self.waiting) if not j.reported
+                    for f in j.sampling.get("logits_processors") or ()}
+        for j in jobs:
+            for f in j.sampling.get("logits_processors") or ():
+                if id(f) not in live and callable(getattr(f, "close", None)):
+                    f.close()
 
     def _start(self, jobs: list[Job], chunk: int = 0):
         t0 = time.monotonic()
@@ -392,28 +414,37 @@ class Scheduler:
                                     row_sampling=rows, **shared, **more)
 
     def _run(self, first: list[Job]) -> None:
-        """Step the running batches, a pass each in turn, until the last one ends: ``first``'s and
-        those that start beside it (another group's, up to ``max_batches``), taking in waiting jobs
-        between passes."""
+        """Step the running batches until the last one ends: ``first``'s and those that start beside
+        it (another group's, up to ``max_batches``), taking in waiting jobs between passes. The
+        engine's time is shared fairly: the batch that has had the least of it goes next (a pass,
+        or a step of a long prompt's prefill, whose time counts PASSES_PER_PREFILL times), so a
+        batch of cheap passes is not held a costly pass each turn by one of a long context; a pass
+        that waits for its processing's answers goes on once they have come."""
         self.batches = []
         self._launch(first, alone=True)
-        owed = 0.0  # seconds of the last prefill chunk the running batches' passes have not yet had
         try:
             while self.batches:
                 self._admit()
-                stepping = [run for run in self.batches if run.prefill is None]
-                t0 = time.monotonic()
-                for run in stepping:
-                    self._pass(run)
-                owed = max(0.0, owed - (time.monotonic() - t0))
-                pending = next((run for run in self.batches if run.prefill is not None), None)
-                if pending is not None and (owed == 0.0 or not stepping):  # half the time at most, beside passes
-                    t0 = time.monotonic()
-                    self._advance(pending)
-                    owed = time.monotonic() - t0
+                for run in [r for r in self.batches if r.step is not None]:  # answers come? (a poll each)
+                    self._timed(run, self._pass, 1.0)
+                ready = [r for r in self.batches if r.step is None]
+                if ready:
+                    run = min(ready, key=lambda r: r.used)
+                    if run.prefill is not None:
+                        self._timed(run, self._advance, PASSES_PER_PREFILL)
+                    else:
+                        self._timed(run, self._pass, 1.0)
+                else:  # every batch waits: until an answer (or a job) comes
+                    self.gen.engine.wait([r.batch for r in self.batches], WAIT_SLICE)
         finally:
             for run in list(self.batches):  # a failure: their caches go back (their jobs hear of it)
                 self._end(run)
+
+    @staticmethod
+    def _timed(run: "_Running", work, weight: float) -> None:
+        t0 = time.monotonic()
+        work(run)
+        run.used += (time.monotonic() - t0) * weight
 
     def _admit(self) -> None:
         """Waiting jobs into the running batches (continuous batching) or into new ones beside them."""
@@ -441,6 +472,8 @@ class Scheduler:
             if j.group in seen:
                 continue
             seen.add(j.group)
+            if any(r.group == j.group and r.step is not None for r in self.batches):
+                continue  # its batch is inside a pass (waiting for a schema's parser): joins at its next turn
             run = next((r for r in self.batches if r.group == j.group and r.batch is not None
                         and r.batch.accepts_rows and r.admitted < MAX_ROWS_PER_BATCH), None)
             if run is not None and not self._long(j):  # joins its group's batch (rows it admits: bounded)
@@ -461,11 +494,14 @@ class Scheduler:
         """Start a batch of these jobs (charged from its prefill on). A failure fails them alone,
         or (``alone``: the first batch) is raised."""
         run = _Running(jobs[0].group, list(jobs), None, self.charge(jobs), len(jobs))
+        # its share from now on, none of the past, and a head start: a short request that comes
+        # beside a long one runs at once, not after the long one's next step
+        run.used = min((r.used for r in self.batches), default=0.0) - PASSES_PER_PREFILL * PREFILL_SLICE
         self.batches.append(run)
         self._charged()
         try:
             if self._long(jobs[0]):  # prefilled a chunk at a time (_advance), other batches' passes between
-                run.prefill = self._start(jobs, PREFILL_CHUNK)
+                run.prefill = self._start(jobs, lambda: self._chunk_tokens(run))
                 return
             run.batch = self._start(jobs)
         except Exception as e:
@@ -496,6 +532,15 @@ class Scheduler:
             if self.held >= TRIM_AFTER:  # the replaced caches' pages: a larger cache fits no hole
                 trim_heap()
 
+    def _chunk_tokens(self, run: "_Running") -> int:
+        """Prompt tokens for ``run``'s next prefill step: as many as take PREFILL_SLICE seconds at the
+        pace its steps have had (a token costs more as the prompt grows: attention), so a request
+        that comes meanwhile waits about that long for its turn."""
+        least, most = PREFILL_TOKENS
+        tokens = least if not run.token_seconds else int(PREFILL_SLICE / run.token_seconds)
+        run.chunk = max(least, min(most, tokens))
+        return run.chunk
+
     def _advance(self, run: "_Running") -> None:
         """One chunk of ``run``'s prefill (its batch starts once the last is done); a failure fails
         its jobs alone, and one whose jobs have all left or run out of time stops."""
@@ -510,8 +555,11 @@ class Scheduler:
             for j in run.jobs:
                 j.reported = True
             return
+        t0 = time.perf_counter()
         try:
             next(run.prefill)
+            seconds = (time.perf_counter() - t0) / max(1, run.chunk)
+            run.token_seconds = seconds if not run.token_seconds else 0.5 * (run.token_seconds + seconds)
         except StopIteration as done:
             run.batch, run.prefill = done.value, None
             if self.held >= TRIM_AFTER:  # a large prefill's activations: back to the system
@@ -524,19 +572,26 @@ class Scheduler:
             self._fail(message, run.jobs)
         self.progress_at = time.monotonic()
 
-    def _pass(self, run: "_Running") -> None:
+    def _pass(self, run: "_Running") -> bool:
         """One pass of ``run``'s batch; its ended rows' jobs hear at once; an ended batch goes.
-        A failure fails its jobs alone."""
+        A failure fails its jobs alone. False where the pass waits for its processing's answers
+        (a JSON schema's parser): it goes on at the batch's next turn."""
         t0 = time.monotonic()
+        steps, run.step = run.step or self.gen.engine.step(run.batch), None
         try:
-            for r, new in self.gen.engine.step(run.batch):
+            for item in steps:
+                if item is WAITING:
+                    run.step = steps
+                    self._drop_failed(run)
+                    return False
+                r, new = item
                 if not run.jobs[r].reported:
                     run.jobs[r].sink(("tokens", new))
         except Exception as e:  # keep serving: this batch's clients hear of it (and the log)
             message = _error_message(e, "batch failed")
             self._end(run)
             self._fail(message, [j for j in run.jobs if not j.reported])
-            return
+            return True
         self.progress_at = time.monotonic()
         self._paced(run.batch, self.progress_at - t0)
         self._drop_failed(run)
@@ -545,10 +600,14 @@ class Scheduler:
             self.on_pass(len(run.batch.active))
         if run.batch.done:
             self._end(run)
+        return True
 
     def _end(self, run: "_Running") -> None:
         """Finish ``run``'s batch: its caches and drafter go back, its ended rows' jobs hear."""
         self.batches.remove(run)
+        if run.step is not None:  # a pass that waited: it will not go on
+            run.step.close()
+            run.step = None
         if run.batch is None:  # its prefill had not ended: closing it gives back what it took
             if run.prefill is not None:
                 run.prefill.close()
@@ -595,5 +654,6 @@ class Scheduler:
             jobs[r].sink(("done", out))
         with self.lock:
             self.running = [j for j in self.running if not j.reported]
+        self._release([jobs[r] for r in ended])
         if self.on_done is not None:
             self.on_done([jobs[r] for r in ended], outputs)
