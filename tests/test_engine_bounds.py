@@ -381,6 +381,63 @@ def test_a_short_request_runs_while_a_long_prompt_is_prefilled():
     assert ended["long"] - t0 > 30 * 0.02  # every chunk ran
 
 
+def test_batches_share_the_engines_time_not_its_turns(monkeypatch):
+    """Beside a batch whose passes cost 20 ms, one of 2 ms passes gets about as much of the engine's
+    time, not a pass each in turn (ten passes to its one); a long prompt's batch (its prefill steps
+    and its passes alike) gets a third of what the other gets. A clock that only the passes move:
+    no timing in the test."""
+    now = [0.0]
+    clock = types.SimpleNamespace(monotonic=lambda: now[0], perf_counter=time.perf_counter, sleep=time.sleep)
+    monkeypatch.setattr(scheduler_module, "time", clock)  # the scheduler's clock alone
+    cost = {0: 0.020, 1: 0.002}  # by the prompt's first token
+    counts = {0: 0, 1: 0}  # passes (and prefill steps) while the fast batch runs
+    fast = [False]
+
+    class Costed(_Chunked):
+        def start_batch(self, prompts, max_tokens, stops, seed=None, cancelled=None, chunk=0, **sampling):
+            made = super().start_batch(prompts, max_tokens, stops, seed, cancelled, chunk, **sampling)
+            fast[0] |= prompts[0][0] == 1
+            batch = made if not chunk else None
+            if batch is not None:
+                batch.kind = prompts[0][0]
+                return batch
+
+            def steps():  # a long prompt: its prefill's steps cost what its passes do
+                batch = yield from made
+                batch.kind = prompts[0][0]
+                return batch
+
+            return steps()
+
+        def step(self, batch):
+            now[0] += cost[batch.kind]
+            counts[batch.kind] += fast[0]
+            out = super().step(batch)
+            fast[0] &= not (batch.kind == 1 and batch.done)
+            return out
+
+    for long_prompt, share in ((False, 1.0), (True, 1 / scheduler_module.LONG_WEIGHT)):
+        counts.update({0: 0, 1: 0})
+        gen = Costed(steps=0, seconds=0.0, passes=None)
+        sched = Scheduler(gen, max_batch_size=4)
+        slow = [0] * (scheduler_module.LONG_PROMPT + 1) if long_prompt else [0]
+        try:
+            done = threading.Event()
+            sched.submit([Job(slow, 10**9, lambda ev: None, group="slow")])
+            deadline = time.monotonic() + 20
+            while not sched.batches and time.monotonic() < deadline:
+                time.sleep(0.001)
+            sched.submit([Job([1], 400, lambda ev: ev[0] == "done" and done.set(), group="fast")])
+            assert done.wait(20)
+            fast_time, slow_time = counts[1] * cost[1], counts[0] * cost[0]
+        finally:
+            for j in list(sched.running):
+                j.cancelled = True
+            sched.close()
+        # while the fast batch ran (its 400 passes), the slow one had about its share of the time
+        assert 0.5 * share < slow_time / fast_time < 2.0 * share, (long_prompt, counts)
+
+
 def test_the_hostile_load_scripts_cases_are_answered_beside_ordinary_requests(tmp_path, monkeypatch):
     """speculant.bench.hostile_load's machinery on a tiny server: a case's status and message, the
     ordinary requests beside it and /health probes recorded."""

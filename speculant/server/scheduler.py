@@ -59,7 +59,7 @@ MAX_ROWS_PER_BATCH = 1024  # rows one batch admits in its life: a batch keeps it
 LONG_PROMPT = 128  # tokens: a longer prompt is prefilled in steps, in a batch of its own
 PREFILL_SLICE = 0.015  # seconds a step of its prefill should take: the wait of a request that comes meanwhile
 PREFILL_TOKENS = (4, 256)  # the fewest and the most prompt tokens a step
-PASSES_PER_PREFILL = 3.0  # a prefill's step counts this many times its time: beside it, passes get 3/4 of the engine
+LONG_WEIGHT = 3.0  # a long prompt's batch's time (its prefill's steps, its passes) counts 3 times: the others get 3/4
 HOLD_AFTER = 10.0  # seconds a job that does not fit the memory lets smaller later ones go first
 MEMORY_WAIT = 60.0  # seconds a job may wait for memory before it is refused
 WAIT_SLICE = 0.005  # seconds the engine waits at most for a processing's answer when every batch waits
@@ -154,7 +154,8 @@ class _Running:
     admitted: int = 0
     prefill: object = None  # engine.start_steps' generator, until the batch is prefilled
     chunk: int = 0  # prompt tokens its prefill's step in progress takes
-    used: float = 0.0  # the engine's seconds it has had (its prefill's weighted), against the others'
+    used: float = 0.0  # the engine's seconds it has had (a long prompt's weighted), against the others'
+    weight: float = 1.0  # what a second of its counts in ``used``
     token_seconds: float = 0.0  # its prefill's seconds a prompt token, as measured (0: not yet)
     step: object = None  # engine.step's generator while it waits for its processing's answers (WAITING)
 
@@ -417,23 +418,23 @@ class Scheduler:
         """Step the running batches until the last one ends: ``first``'s and those that start beside
         it (another group's, up to ``max_batches``), taking in waiting jobs between passes. The
         engine's time is shared fairly: the batch that has had the least of it goes next (a pass,
-        or a step of a long prompt's prefill, whose time counts PASSES_PER_PREFILL times), so a
-        batch of cheap passes is not held a costly pass each turn by one of a long context; a pass
-        that waits for its processing's answers goes on once they have come."""
+        or a step of a long prompt's prefill; a long prompt's batch's time counts LONG_WEIGHT
+        times), so a batch of cheap passes is not held a costly pass each turn by one of a long
+        context; a pass that waits for its processing's answers goes on once they have come."""
         self.batches = []
         self._launch(first, alone=True)
         try:
             while self.batches:
                 self._admit()
                 for run in [r for r in self.batches if r.step is not None]:  # answers come? (a poll each)
-                    self._timed(run, self._pass, 1.0)
+                    self._timed(run, self._pass)
                 ready = [r for r in self.batches if r.step is None]
                 if ready:
                     run = min(ready, key=lambda r: r.used)
                     if run.prefill is not None:
-                        self._timed(run, self._advance, PASSES_PER_PREFILL)
+                        self._timed(run, self._advance)
                     else:
-                        self._timed(run, self._pass, 1.0)
+                        self._timed(run, self._pass)
                 else:  # every batch waits: until an answer (or a job) comes
                     self.gen.engine.wait([r.batch for r in self.batches], WAIT_SLICE)
         finally:
@@ -441,10 +442,10 @@ class Scheduler:
                 self._end(run)
 
     @staticmethod
-    def _timed(run: "_Running", work, weight: float) -> None:
+    def _timed(run: "_Running", work) -> None:
         t0 = time.monotonic()
         work(run)
-        run.used += (time.monotonic() - t0) * weight
+        run.used += (time.monotonic() - t0) * run.weight
 
     def _admit(self) -> None:
         """Waiting jobs into the running batches (continuous batching) or into new ones beside them."""
@@ -496,7 +497,8 @@ class Scheduler:
         run = _Running(jobs[0].group, list(jobs), None, self.charge(jobs), len(jobs))
         # its share from now on, none of the past, and a head start: a short request that comes
         # beside a long one runs at once, not after the long one's next step
-        run.used = min((r.used for r in self.batches), default=0.0) - PASSES_PER_PREFILL * PREFILL_SLICE
+        run.used = min((r.used for r in self.batches), default=0.0) - LONG_WEIGHT * PREFILL_SLICE
+        run.weight = LONG_WEIGHT if self._long(jobs[0]) else 1.0
         self.batches.append(run)
         self._charged()
         try:
