@@ -221,6 +221,12 @@ class Generator:
         """A γ setting this generator's drafter can use: "auto", or 1 up to what one proposal holds."""
         return check_gamma(gamma, min(MAX_GAMMA, self.drafter.max_gamma or MAX_GAMMA))
 
+    @property
+    def join_refusal(self) -> str | None:
+        """Why a request cannot join a running batch of this generator's (its drafter keeps state
+        a join would not carry; requests then batch in waves), or None where they can."""
+        return self.drafter.join_refusal(self.backend.fast is not None)
+
     def memory_needed(self, rows: int, prompt_tokens: int, max_new_tokens: int, gamma: int | str,
                       extra_per_row: int = 0) -> int:
         """About how many bytes a request's caches (target and drafter) and a pass's logits take

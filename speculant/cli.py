@@ -405,6 +405,9 @@ def cmd_serve(args) -> int:
         gen.memory_budget = app.state.server.memory_budget
     print(f"speculant: serving '{args.model_name or args.target}' with drafter {gen.drafter.describe()} on "
           f"http://{args.host}:{args.port} (playground at /)", file=sys.stderr)
+    if gen.join_refusal:
+        print(f"speculant: with this drafter a request does not join a running batch ({gen.join_refusal}): requests "
+              "batch in waves", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
                 timeout_keep_alive=30)  # longer than clients keep idle connections (httpx: 5 s)
     return 0

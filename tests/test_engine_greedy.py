@@ -233,11 +233,21 @@ def _joining_drafter(kind, target, tmp_path):
         from test_medusa import _random_medusa_folder
 
         return load_medusa(_random_medusa_folder(tmp_path, target), target, "tiny")
+    if kind in ("cross-tokenizer", "layerskip", "cascade-ngram", "cascade-model"):
+        from test_drafters_extra import make
+
+        return make(kind, target, 0)
+    if kind in ("model", "model+ngram"):
+        from speculant.drafters.model import LookupFirstDrafter, ModelDrafter
+
+        drafter = ModelDrafter(perturbed(target, 0.02), label="tiny")
+        return drafter if kind == "model" else LookupFirstDrafter(drafter)
     return {"none": NoDrafter, "ngram": NgramDrafter, "suffix": lambda: SuffixDrafter(share=False)}[kind]()
 
 
 @pytest.mark.parametrize("path", ["general", "fast"])
-@pytest.mark.parametrize("kind", ["none", "ngram", "suffix", "eagle", "dflash", "medusa", "eagle+ngram"])
+@pytest.mark.parametrize("kind", ["none", "ngram", "suffix", "eagle", "dflash", "medusa", "eagle+ngram", "model",
+                                  "model+ngram", "cross-tokenizer", "layerskip"])
 def test_rows_joining_a_running_batch_decode_as_alone(tmp_path, path, kind):
     """Continuous batching: batches started later join a running one between passes (rows at
     different lengths, caches of different sizes, drafter and controller state carried over); every
@@ -247,6 +257,8 @@ def test_rows_joining_a_running_batch_decode_as_alone(tmp_path, path, kind):
     target = tiny_llama(0, layers=3)
     gen = speculant.Generator(LoadedModel(target, None, "tiny"), _joining_drafter(kind, target, tmp_path),
                               gamma="auto", path=path)
+    if gen.join_refusal:  # layerskip on the fast path: the test below
+        pytest.skip(gen.join_refusal)
     g = torch.Generator().manual_seed(7)
     prompts = [(torch.randint(1, 96, (4,), generator=g).tolist() * 6)[: 4 + 5 * i] for i in range(5)]
     limits = [24, 8, 20, 30, 12]
@@ -269,6 +281,31 @@ def test_rows_joining_a_running_batch_decode_as_alone(tmp_path, path, kind):
         ref = hf_greedy(target, p, n)
         assert row.tokens == ref, mismatch_report(target, p, ref, row.tokens)
     assert [got[r] for r in range(5)] == [row.tokens for row in rows]
+    # every pooled cache went back: the target's, and a draft model's (joined states hold their own)
+    drafter = getattr(gen.drafter, "model", gen.drafter)
+    for backend in (engine.backend, getattr(drafter, "backend", None)):
+        assert backend is None or not getattr(backend, "in_use", None), kind
+
+
+@pytest.mark.parametrize("path", ["general", "fast"])
+@pytest.mark.parametrize("kind", ["none", "ngram", "suffix", "eagle", "dflash", "medusa", "eagle+ngram", "model",
+                                  "model+ngram", "cross-tokenizer", "layerskip", "cascade-ngram", "cascade-model"])
+def test_every_drafter_joins_a_running_batch_or_says_why(tmp_path, path, kind):
+    """A batch of every drafter takes rows of another between passes, or the generator says why
+    not in one sentence (the server prints it as it starts): never a refusal nobody explains."""
+    from speculant.models import LoadedModel
+
+    target = tiny_llama(0, layers=3)
+    gen = speculant.Generator(LoadedModel(target, None, "tiny"), _joining_drafter(kind, target, tmp_path),
+                              gamma=2, path=path)
+    running = gen.start_batch([[5, 6, 7]], [8], [[]])
+    list(gen.engine.step(running))
+    other = gen.start_batch([[8, 9]], [8], [[]])
+    why = gen.join_refusal
+    assert running.can_join(other) == (why is None), (kind, why)
+    assert why is None or (why and "\n" not in why and len(why) < 200)
+    for b in (running, other):
+        gen.engine.finish(b)
 
 
 def test_batched_prefill_gives_a_frozen_lm_head_a_contiguous_input():

@@ -79,6 +79,7 @@ class ArcticSuffixDrafter(Drafter):
                 self.cache.add_active_response(rid, toks)
                 text.extend(toks)
 
+    why_no_join = "arctic_inference's suffix cache holds the requests this batch registered at its start"
     row_fields = ("texts",)  # per-row state (PerRow); the ids close their requests as rows leave
 
     def _select_more(self, rows) -> None:

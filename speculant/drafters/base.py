@@ -225,6 +225,13 @@ class Drafter(PerRow, ABC):
 
     # rows of another batch (this drafter's fork, started on them) can join: its row fields say all
     joins: bool = False
+    # where they cannot, why (the server says it as it starts: such requests batch in waves)
+    why_no_join: str = "its per-row state is not all declared in row fields"
+
+    def join_refusal(self, fast_target: bool) -> str | None:
+        """Why rows of another batch cannot join a running batch of this drafter's (None: they can),
+        beside a target on the fast path (``fast_target``) or the general one."""
+        return None if self.joins else self.why_no_join
 
     def fork(self) -> "Drafter":
         """A drafter with the same weights and settings for another batch (its state comes with start)."""

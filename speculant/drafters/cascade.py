@@ -163,6 +163,8 @@ class CascadeDrafter(Drafter):
     def finish(self) -> None:
         self.inner.finish()
 
+    why_no_join = ("its middle model's lazy prefill and its inner drafter's pending pass are kept for the whole batch, "
+                   "not per row")
     row_fields = ("state", "to_feed", "block_start", "history", "inner")  # per-row state (PerRow)
 
 

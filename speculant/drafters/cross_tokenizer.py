@@ -108,4 +108,5 @@ class CrossTokenizerDrafter(Drafter):
         for row, toks in enumerate(new_tokens):
             self.texts[row].extend(toks)
 
+    joins = True
     row_fields = ("state", "texts", "cached")  # per-row state (PerRow)

@@ -77,6 +77,9 @@ class HybridDrafter(Drafter):
     def describe(self) -> str:
         return f"{self.label}+ngram"
 
+    def join_refusal(self, fast_target: bool) -> str | None:
+        return self.tree.join_refusal(fast_target)
+
     def state_bytes(self, rows: int, tokens: int) -> int:
         return self.tree.state_bytes(rows, tokens)
 

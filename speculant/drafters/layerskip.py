@@ -224,6 +224,14 @@ class LayerSkipDrafter(ModelDrafter):
             self.history.extend(new_tokens)
 
     @property
+    def joins(self) -> bool:
+        return not getattr(self, "shared", False)
+
+    def join_refusal(self, fast_target: bool) -> str | None:
+        return ("on the fast path it drafts in the target's own cache, which a join replaces with a new one"
+                if fast_target else None)
+
+    @property
     def row_fields(self) -> tuple[str, ...]:
         """Per-row state (PerRow): in the target's cache, the batch moves that cache itself."""
         return ("last", "history") if getattr(self, "shared", False) else ModelDrafter.row_fields

@@ -63,8 +63,10 @@ class ModelDrafter(Drafter):
         # lazy: the prompt is fed with the first proposal, so a request that never drafts
         # (gamma="auto" found it would not pay) never pays for the drafter's prefill
         self.to_feed: list[list[int]] = [list(p) for p in ctx.prompts]
-        self.prefilled = False
-        self.block_start: torch.Tensor | None = None
+        self.unfed = [True] * len(ctx.prompts)  # per row: its prompt is still to be fed
+        # per row: where the last proposal's drafts begin in the drafter's cache, -1 where none was
+        # made since the last update (a row that joined since, or a pass with γ 0)
+        self.block_start = torch.full((len(ctx.prompts),), -1, dtype=torch.long, device=ctx.device)
         self.fed_drafts: list[list[int]] = [[] for _ in ctx.prompts]
         proc = ctx.processing
         self.history = TokenHistory(ctx.prompts, ctx.vocab_size, ctx.device, proc) if proc.uses_context else None
@@ -78,9 +80,9 @@ class ModelDrafter(Drafter):
         tokens, valid = left_pad(self.to_feed, self.ctx.device)
         t0 = time.perf_counter()
         logits = self.state.append(tokens, valid, last_only=True)[:, -1]
-        # the prompt, fed lazily: a one-off, not what a draft token costs
-        self.catchup_seconds = 0.0 if self.prefilled else seconds_since(t0, self.ctx.device)
-        self.prefilled = True
+        # a prompt, fed lazily: a one-off, not what a draft token costs
+        self.catchup_seconds = seconds_since(t0, self.ctx.device) if any(self.unfed) else 0.0
+        self.unfed = [False] * len(self.unfed)
         self.block_start = self.state.lengths()
         return self._draft(logits, gamma, lambda tok: self.state.append(tok)[:, -1])
 
@@ -122,20 +124,23 @@ class ModelDrafter(Drafter):
         return Proposal(drafts, lengths, torch.stack(probs, 1) if probs else None)
 
     def update(self, new_tokens, n_accepted) -> None:
-        if self.block_start is not None:
-            # the drafts fed into the drafter's cache that the text kept: its leading new tokens (the
-            # accepted drafts, unless a lookup proposed this row's instead: model:PATH+ngram)
-            keep = torch.tensor([common_prefix(fed, new) for fed, new in zip(self.fed_drafts, new_tokens)],
-                                device=self.ctx.device)
-            self.state.rollback(self.block_start + keep)
-            self.to_feed = [toks[k:] for toks, k in zip(new_tokens, keep.tolist())]
-        else:  # no proposal since the last update (first token, or a pass with γ = 0): the text just grew
-            self.to_feed = [fed + list(t) for fed, t in zip(self.to_feed, new_tokens)]
-        self.block_start = None
+        proposed = self.block_start.tolist()
+        # the drafts fed into the drafter's cache that the text kept: a row's leading new tokens (the
+        # accepted drafts, unless a lookup proposed this row's instead: model:PATH+ngram)
+        keep = [common_prefix(fed, new) if at >= 0 else 0 for fed, new, at in zip(self.fed_drafts, new_tokens, proposed)]
+        if max(proposed, default=-1) >= 0:  # a row that made none keeps its whole cache
+            ends = [at + k if at >= 0 else 1 << 40 for at, k in zip(proposed, keep)]
+            self.state.rollback(torch.tensor(ends, device=self.ctx.device))
+        # a row that proposed feeds what its cache lacks of its new tokens; one that did not (its
+        # first token, a row that joined since, a pass with γ 0) feeds them after what it had to feed
+        self.to_feed = [toks[k:] if at >= 0 else fed + list(toks)
+                        for fed, toks, at, k in zip(self.to_feed, new_tokens, proposed, keep)]
+        self.block_start = torch.full_like(self.block_start, -1)
         if self.history is not None:
             self.history.extend(new_tokens)
 
-    row_fields = ("state", "block_start", "to_feed", "history", "fed_drafts")  # per-row state (PerRow)
+    joins = True  # every row's state is a row field: rows of another batch join between passes
+    row_fields = ("state", "block_start", "to_feed", "unfed", "history", "fed_drafts")  # per-row state (PerRow)
 
 
 class LookupFirstDrafter(Drafter):
@@ -196,6 +201,7 @@ class LookupFirstDrafter(Drafter):
         self.lookup.update(new_tokens, n_accepted)
         self.model.update(new_tokens, n_accepted)
 
+    joins = True
     row_fields = ("model", "lookup")  # per-row state (PerRow): both inner drafters' rows
 
     def fork(self) -> "LookupFirstDrafter":

@@ -156,7 +156,7 @@ class Backend:
                 del self.caches[old]
             self.caches[(batch, size)] = self.fast.new_cache(batch, size)
         state = StaticKVState(self.fast, self.caches[(batch, size)], self.step)
-        state.cache_key = (batch, size)
+        state.cache_key, state.pool = (batch, size), self  # the pool's cache: given back by release (or a join)
         return state
 
     def release(self, state) -> None:

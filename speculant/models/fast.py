@@ -842,7 +842,12 @@ class StaticKVState(PerRow):
     def _join_more(self, other: "StaticKVState") -> None:
         """Append ``other``'s rows (a new cache holding both: the larger size, padded), a layer at a
         time: each layer's old tensors go as its new one is made, so the join holds one layer more
-        than the larger of the caches before and after, not both whole."""
+        than the larger of the caches before and after, not both whole. A cache either held of its
+        backend's pool goes back to it (the joined state holds a cache of its own)."""
+        for state in (self, other):
+            if getattr(state, "pool", None) is not None:
+                state.pool.release(state)
+                state.pool = None
         self.keys, self.values = list(self.keys), list(self.values)  # never the backend's own lists
         theirs = (list(other.keys), list(other.values))
         other.keys = other.values = []

@@ -139,10 +139,21 @@ class KVState(PerRow):
             shape[axis] = n
             return torch.cat([t.new_zeros(shape), t], dim=axis)
 
+        def rows(t, n):  # n rows of zero (hidden) columns, shaped as t's
+            return t.new_zeros(n, *t.shape[1:-2], width, t.shape[-1])
+
         a, b = width - self.length, width - other.length
-        for mine, theirs in zip(self.cache.layers, other.cache.layers):
-            mine.keys = torch.cat([front(mine.keys, a), front(theirs.keys.to(mine.keys.device), b)])
-            mine.values = torch.cat([front(mine.values, a), front(theirs.values.to(mine.values.device), b)])
+        mine, theirs = self._layers(), other._layers()
+        if theirs and not mine:  # this state has not run yet (a lazy drafter's): the other's layers, rows in front
+            self.cache = other.cache
+            for layer in theirs:
+                layer.keys = torch.cat([rows(layer.keys, len(self.valid)), front(layer.keys, b)])
+                layer.values = torch.cat([rows(layer.values, len(self.valid)), front(layer.values, b)])
+        for m, t in zip(mine, theirs or [None] * len(mine)):  # (the other has not run yet: zero rows for it)
+            m.keys = torch.cat([front(m.keys, a), rows(m.keys, len(other.valid)) if t is None
+                                else front(t.keys.to(m.keys.device), b)])
+            m.values = torch.cat([front(m.values, a), rows(m.values, len(other.valid)) if t is None
+                                  else front(t.values.to(m.values.device), b)])
         self.valid = torch.cat([front(self.valid, a), front(other.valid, b)])
 
     def _layers(self):
