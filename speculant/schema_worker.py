@@ -1,9 +1,10 @@
 """A JSON schema's parser in a process of its own (the server's): the engine never runs its work.
 
 lm-format-enforcer is Python: a costly state (a recursive ``anyOf``, a long pattern) computed on
-the engine thread holds every batch's pass and, through the GIL, the HTTP side. Here the process
-that prepared the schema (``constrain``'s forked child, at a lower priority) stays and keeps the
-request's parser; the engine's side, ``SchemaWorker``, is the request's logits processor:
+the engine thread holds every batch's pass and, through the GIL, the HTTP side. Here each request's
+parser has a process of its own, forked by a small host process (``SchemaHost``, started as the
+server starts) at the lowest CPU priority: it prepares the schema, then keeps the request's parser.
+The engine's side, ``SchemaWorker``, is the request's logits processor:
 
 - before a batch's verify the engine hands it the texts the pass will score (``prefetch``), and
   steps other batches until their tables have come (``ready``; ``connection`` to wait on);
@@ -99,7 +100,7 @@ def _send(conn, message) -> None:
 
 
 class SchemaWorker:
-    """A request's JSON-schema processor whose parser runs in ``child`` (see the module). Its
+    """A request's JSON-schema processor whose parser runs in a process of its own (see the module). Its
     interface is ``SchemaProcessor``'s where the engine and the scheduler read it: call it as a
     logits processor; ``failed``, ``dead_end``, ``end_quietly``. ``conn``: its connection to the
     parser's process (``SchemaHost.start``)."""
@@ -109,7 +110,7 @@ class SchemaWorker:
         self.state_seconds = state_seconds  # a state's bound: past it and ANSWER_GRACE without an answer, the request fails
         self.end_quietly = True
         self.failed: str | None = None
-        self.closed = False  # the child has ended (the request is over, or has failed)
+        self.closed = False  # its parser's process is told to end (the request is over, or has failed)
         self.known: dict = {}  # text key -> table number
         self.masks: list[torch.Tensor] = []  # table number -> bool [vocab]: the tokens allowed
         self.asked: set = set()  # keys asked for and not answered yet
