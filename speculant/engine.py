@@ -338,8 +338,6 @@ class Engine:
         if not batch.can_join(other):
             raise SpeculantError("these batches cannot join: their γ settings, drafters or the forms of text their "
                                  "processing reads (penalties, logits processors) differ")
-        for b in (batch, other):  # the joined state holds caches of its own
-            self.backend.release(b.state)
         if other.drafter is self.drafter:
             self.drafter_busy = False
         batch.join(other)

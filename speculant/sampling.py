@@ -426,7 +426,6 @@ class LogitsProcessing(PerRow):
         """Rows by equal settings: [(setting, row indexes)] (one group with rows None: every row)."""
         if self.rows is None:
             self.groups = [(self._settings[0], None)]
-            self.computes_ahead = any(hasattr(f, "prefetch") for f in self._settings[0].params.logits_processors)
             return
         groups = []
         for r, p in enumerate(self.rows):
@@ -439,7 +438,6 @@ class LogitsProcessing(PerRow):
                 groups.append((setting, [r]))
         self._settings = [s for s, _ in groups]
         self.groups = [(s, None) for s, _ in groups] if len(groups) == 1 else groups
-        self.computes_ahead = any(hasattr(f, "prefetch") for s, _ in self.groups for f in s.params.logits_processors)
 
     @property
     def params(self) -> SamplingParams | None:
@@ -473,6 +471,11 @@ class LogitsProcessing(PerRow):
     def _join_more(self, other: "LogitsProcessing") -> None:
         self._settings += other._settings
         self._group()
+
+    @property
+    def computes_ahead(self) -> bool:
+        """Some row's processors compute ahead (``prefetch``): the engine hands them a pass's texts."""
+        return any(hasattr(f, "prefetch") for s, _ in self.groups for f in s.params.logits_processors)
 
     def prefetch(self, ctx: Context) -> bool:
         """Hand the processors that compute ahead (``prefetch(texts) -> ready``: a JSON schema's parser

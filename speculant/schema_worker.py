@@ -127,14 +127,14 @@ class SchemaWorker:
         if self.closed:
             return True
         keys = [text_key(ids) for ids in texts]
-        wanted = [ids for ids, k in zip(texts, keys) if k not in self.known and k not in self.asked]
+        wanted = [(ids, k) for ids, k in zip(texts, keys) if k not in self.known and k not in self.asked]
         if wanted:
             try:
-                self.conn.send(wanted)
+                self.conn.send([ids for ids, _ in wanted])
             except (OSError, ValueError):
                 self._fail("the JSON schema's parser process has ended")
                 return True
-            self.asked.update(text_key(ids) for ids in wanted)
+            self.asked.update(k for _, k in wanted)
             if self.waiting_since is None:
                 self.waiting_since = time.monotonic()
         return all(k in self.known for k in keys) or self._overdue()

@@ -147,13 +147,14 @@ class KVState(PerRow):
         if theirs and not mine:  # this state has not run yet (a lazy drafter's): the other's layers, rows in front
             self.cache = other.cache
             for layer in theirs:
-                layer.keys = torch.cat([rows(layer.keys, len(self.valid)), front(layer.keys, b)])
-                layer.values = torch.cat([rows(layer.values, len(self.valid)), front(layer.values, b)])
+                for name in ("keys", "values"):
+                    t = getattr(layer, name)
+                    setattr(layer, name, torch.cat([rows(t, len(self.valid)), front(t, b)]))
         for m, t in zip(mine, theirs or [None] * len(mine)):  # (the other has not run yet: zero rows for it)
-            m.keys = torch.cat([front(m.keys, a), rows(m.keys, len(other.valid)) if t is None
-                                else front(t.keys.to(m.keys.device), b)])
-            m.values = torch.cat([front(m.values, a), rows(m.values, len(other.valid)) if t is None
-                                  else front(t.values.to(m.values.device), b)])
+            for name in ("keys", "values"):
+                x = getattr(m, name)
+                y = rows(x, len(other.valid)) if t is None else front(getattr(t, name).to(x.device), b)
+                setattr(m, name, torch.cat([front(x, a), y]))
         self.valid = torch.cat([front(self.valid, a), front(other.valid, b)])
 
     def _layers(self):
